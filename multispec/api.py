@@ -1,0 +1,136 @@
+"""The vLLM-shaped entry point: ``LLM(model).generate(prompts, SamplingParams(n=16))``."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+import torch
+
+from multispec.engine.llm_engine import GIB, Engine, EngineConfig
+from multispec.models import DEFAULT_MODEL, load_checkpoint, resolve_model
+from multispec.models.llama import LlamaForCausalLM
+from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig
+
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "RunStats"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    """A loaded model that draws n samples per prompt.
+
+    ``model`` is a registered name (default ``smollm2-135m-instruct``), a Hugging Face checkpoint
+    directory or a ``.gguf`` file. ``spec`` is the default speculation setting of every
+    ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` caps the KV cache in GiB;
+    a request that cannot fit is refused before anything is allocated, and requests that fit
+    only one after another wait for their turn.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", kv_cache_memory: float = 4.0,
+                 max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
+        if not kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be > 0 (GiB)")
+        path = resolve_model(model)
+        checkpoint = load_checkpoint(path, cache_dir=cache_dir)
+        self.model_name = model
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, DTYPES[dtype])
+        limit = checkpoint.config.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= limit:
+            raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
+        engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB))
+        self.engine = Engine(self.model, self.tokenizer, engine_config)
+        self.spec = spec or SpecConfig()
+        self.last_stats: RunStats | None = None
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 spec: SpecConfig | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate ``n`` completions per prompt; prompts are text or token ids.
+
+        Run counters and timings (forwards, tau, acceptance, time split) land in ``last_stats``.
+        """
+        texts, token_ids = self._prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(token_ids)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(token_ids):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(token_ids)} prompts")
+        spec = spec or self.spec
+        requests = self.engine.make_requests(token_ids, params, texts)
+        progress = _Progress(sum(p.n for p in params), enabled=use_tqdm)
+        try:
+            outputs, stats = self.engine.generate(requests, spec, on_step=progress.update)
+        finally:
+            progress.close()
+        self.last_stats = stats
+        return outputs
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, spec=None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_ids, sampling_params, spec, use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
+
+    def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one prompt")
+        if all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
+        texts, ids = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError(f"prompt {i} is empty")
+                texts.append(prompt)
+                ids.append(self.tokenizer.encode(prompt))
+            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+                texts.append(None)
+                ids.append(list(prompt))
+            else:
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+        return texts, ids
+
+
+class _Progress:
+    """Finished samples on stderr, with live generated tokens/s."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled and os.environ.get("MULTISPEC_NO_PROGRESS") is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="sample", desc="generating", dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def update(self, tokens: int, finished: int) -> None:
+        if self.bar is None:
+            return
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens} tok, {self.tokens / elapsed:.1f} tok/s", refresh=False)
+        self.bar.update(finished)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

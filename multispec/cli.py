@@ -1,0 +1,164 @@
+"""Command line: ``multispec generate``, ``multispec gsm8k`` (self-consistency) and ``multispec analyze-verify``.
+
+Bad input ends with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from multispec.params import BATCHING, DRAFTERS, SCHEMES, SamplingParams, SpecConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache cap in GiB (default: %(default)s)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int, temperature: float) -> None:
+    parser.add_argument("--n", type=int, default=n, help="samples per prompt (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
+    parser.add_argument("--drafter", default=drafter, choices=DRAFTERS, help="(default: %(default)s)")
+    parser.add_argument("--max-draft-tokens", type=int, default=SpecConfig.max_draft_tokens)
+    parser.add_argument("--max-draft-nodes", type=int, default=SpecConfig.max_draft_nodes)
+    parser.add_argument("--scheme", default="auto", choices=SCHEMES)
+    parser.add_argument("--sampled-drafts", action="store_true", help="sample drafts and verify with multi-draft schemes")
+    parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
+    parser.add_argument("--batching", default="unpadded", choices=BATCHING)
+
+
+def _sampling(args) -> SamplingParams:
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+
+
+def _spec(args) -> SpecConfig:
+    return SpecConfig(drafter=args.drafter, max_draft_tokens=args.max_draft_tokens,
+                      max_draft_nodes=args.max_draft_nodes, scheme=args.scheme, sampled_drafts=args.sampled_drafts,
+                      aggregate=not args.no_aggregate, batching=args.batching)
+
+
+def _llm(args):
+    from multispec.api import LLM
+
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+
+
+def cmd_generate(args) -> int:
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ValueError(f"--prompts-file {path}: no such file")
+        prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {path}: holds no prompt")
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    else:
+        raise ValueError("give --prompt TEXT or --prompts-file FILE")
+    params, spec = _sampling(args), _spec(args)
+    llm = _llm(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, spec)
+    else:
+        outputs = llm.generate(prompts, params, spec)
+    if args.json:
+        for i, out in enumerate(outputs):
+            print(json.dumps({"prompt": prompts[i], "samples": [
+                {"text": c.text, "token_ids": c.token_ids, "cumulative_logprob": c.cumulative_logprob,
+                 "finish_reason": c.finish_reason} for c in out.outputs]}))
+    else:
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                print(f"=== prompt {i}, sample {c.index} ({c.finish_reason}, {len(c.token_ids)} tokens, "
+                      f"logprob {c.cumulative_logprob:.2f}) ===")
+                print(c.text)
+    print(llm.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_gsm8k(args) -> int:
+    from multispec.reasoning import extract_answer, load_gsm8k, majority_vote
+    from multispec.reasoning.gsm8k import INSTRUCTION
+
+    if args.questions < 1:
+        raise ValueError(f"--questions={args.questions}: must be >= 1")
+    problems = load_gsm8k(limit=args.questions, offset=args.offset)
+    params, spec = _sampling(args), _spec(args)
+    llm = _llm(args)
+    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in problems]
+    outputs = llm.chat(conversations, params, spec)
+    stats = llm.last_stats
+    correct = 0
+    for i, (problem, out) in enumerate(zip(problems, outputs)):
+        voted, votes = majority_vote([c.text for c in out.outputs], extract_answer)
+        ok = voted == problem.answer
+        correct += ok
+        print(f"Q{args.offset + i}: voted {voted} ({votes}/{len(out.outputs)} votes), reference {problem.answer} "
+              f"{'OK' if ok else 'WRONG'}")
+    print(f"majority-vote accuracy {correct}/{len(problems)}; {stats.generated_tokens} tokens in "
+          f"{stats.time_total:.1f}s = {stats.tokens_per_second:.1f} tokens/s ({spec.drafter} drafter)")
+    print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="multispec", description="Fast multi-sample generation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="draw n samples for each prompt")
+    _add_model_args(gen)
+    _add_sampling_args(gen, n=1, max_tokens=256, temperature=1.0)
+    _add_spec_args(gen, drafter="none")
+    gen.add_argument("--prompt", help="one prompt")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    gsm = sub.add_parser("gsm8k", help="self-consistency on GSM8K test questions: n samples, majority vote")
+    _add_model_args(gsm)
+    _add_sampling_args(gsm, n=8, max_tokens=256, temperature=0.7)
+    _add_spec_args(gsm, drafter="none")
+    gsm.add_argument("--questions", type=int, default=4)
+    gsm.add_argument("--offset", type=int, default=0)
+    gsm.set_defaults(func=cmd_gsm8k)
+
+    from multispec.verify import analysis
+
+    ana = sub.add_parser("analyze-verify", help="expected acceptance of every verification scheme")
+    analysis.add_arguments(ana)
+    ana.set_defaults(func=analysis.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"multispec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("multispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

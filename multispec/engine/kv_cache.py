@@ -1,0 +1,219 @@
+"""Pre-allocated two-level KV cache: one copy of each prompt, one private tail per sample.
+
+A prompt's keys and values are computed once and stored once, in a *prompt slot*; its n
+samples each own a *sample slot* that holds only the tokens generated after the prompt. A
+sample attends to its prompt slot and to its own slot, and the two softmax halves are merged
+exactly (log-sum-exp), so n samples never copy the prompt and the prompt's keys are read once
+per step for all n samples together.
+
+Sample slots in use are always ``0 .. num_active-1`` (a finished sample's slot is refilled by
+moving the last one down), so the attention reads the cache in place as one strided view: no
+gather of the cache per step, and commit moves only the few entries of an accepted tree path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from multispec.models.config import ModelConfig
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token occupies in the cache over all layers (keys and values)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """How many slots of which capacity; fixes the memory before anything is allocated."""
+
+    sample_slots: int
+    sample_capacity: int
+    prompt_slots: int
+    prompt_capacity: int
+
+    def tokens(self) -> int:
+        return self.sample_slots * self.sample_capacity + self.prompt_slots * self.prompt_capacity
+
+
+class KVCache:
+    """Keys/values as [layers, slots, kv_heads, capacity, head_dim] for samples and prompts."""
+
+    def __init__(self, config: ModelConfig, shape: CacheShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.config = config
+        self.shape = shape
+        layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        sample_dims = (layers, shape.sample_slots, heads, shape.sample_capacity, dim)
+        prompt_dims = (layers, shape.prompt_slots, heads, shape.prompt_capacity, dim)
+        self.sample_k = torch.empty(sample_dims, dtype=dtype, device=device)
+        self.sample_v = torch.empty(sample_dims, dtype=dtype, device=device)
+        self.prompt_k = torch.empty(prompt_dims, dtype=dtype, device=device)
+        self.prompt_v = torch.empty(prompt_dims, dtype=dtype, device=device)
+        self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
+
+    def take_prompt_slot(self) -> int:
+        return self.free_prompt_slots.pop()
+
+    def release_prompt_slot(self, slot: int) -> None:
+        self.free_prompt_slots.append(slot)
+
+    def move_sample(self, src: int, dst: int, length: int) -> None:
+        """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""
+        self.sample_k[:, dst, :, :length] = self.sample_k[:, src, :, :length]
+        self.sample_v[:, dst, :, :length] = self.sample_v[:, src, :, :length]
+
+    def keep_paths(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Commit accepted tree paths: cache position ``src[i]`` of ``slots[i]`` moves to ``dst[i]``.
+
+        Only nodes that are not already in place are passed; chains accepted from their start
+        need no move at all. Everything past the new length is garbage that the next step
+        overwrites.
+        """
+        if slots.numel() == 0:
+            return
+        self.sample_k[:, slots, :, dst] = self.sample_k[:, slots, :, src]
+        self.sample_v[:, slots, :, dst] = self.sample_v[:, slots, :, src]
+
+
+class PrefillAttention:
+    """Causal attention of whole prompts, written into their prompt slots.
+
+    ``segments`` lists (prompt_slot, length) for each prompt packed in this forward, in the
+    order their tokens are concatenated.
+    """
+
+    def __init__(self, cache: KVCache, segments: list[tuple[int, int]]):
+        self.cache = cache
+        self.segments = segments
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        start = 0
+        for slot, length in self.segments:
+            end = start + length
+            kk = k[start:end].transpose(0, 1)
+            vv = v[start:end].transpose(0, 1)
+            self.cache.prompt_k[layer, slot, :, :length] = kk
+            self.cache.prompt_v[layer, slot, :, :length] = vv
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), kk, vv, is_causal=True, enable_gqa=True
+            )
+            outputs.append(out.transpose(0, 1))
+            start = end
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+@dataclass
+class StepLayout:
+    """Where every packed token of a decode step lives; built once per step, used by all layers.
+
+    Sample ``b`` (in slot ``b``) contributes ``counts[b]`` tokens: its root (the last sampled
+    token, not yet cached) and its draft nodes. ``tree_mask[b, i, j]`` says new token j is an
+    ancestor-or-self of new token i.
+    """
+
+    counts: torch.Tensor          # [B] tokens per sample this step (>= 1)
+    cached: torch.Tensor          # [B] tokens already in each sample slot
+    prompt_slot: torch.Tensor     # [B] prompt slot of each sample
+    prompt_len: torch.Tensor      # [B] prompt length of each sample
+    tree_mask: torch.Tensor       # [B, Qmax, Qmax] bool
+
+
+class DecodeAttention:
+    """Attention of packed sample tokens (roots plus draft trees) over prompt and own caches."""
+
+    def __init__(self, cache: KVCache, layout: StepLayout):
+        self.cache = cache
+        batch = layout.counts.numel()
+        qmax = int(layout.counts.max())
+        self.batch, self.qmax = batch, qmax
+        counts = layout.counts
+        total = int(counts.sum())
+        offsets = torch.cumsum(counts, 0) - counts
+        self.row_sample = torch.repeat_interleave(torch.arange(batch), counts)
+        self.row_index = torch.arange(total) - offsets[self.row_sample]
+        self.row_cache_pos = layout.cached[self.row_sample] + self.row_index
+        self.key_len = int((layout.cached + counts).max())
+
+        # Own-cache mask: every cached key, plus the new tokens that are ancestors-or-self.
+        key_pos = torch.arange(self.key_len)
+        rel = key_pos[None, :] - layout.cached[:, None]                      # [B, K]
+        old = rel < 0
+        new = (rel >= 0) & (rel < counts[:, None])
+        rel_clamped = rel.clamp(0, qmax - 1)
+        tree = torch.gather(layout.tree_mask, 2, rel_clamped[:, None, :].expand(batch, qmax, self.key_len))
+        visible = old[:, None, :] | (new[:, None, :] & tree)                 # [B, Qmax, K]
+        # Padding query rows see key 0 only, which keeps their softmax finite; they are dropped.
+        pad_rows = torch.arange(qmax)[None, :] >= counts[:, None]
+        visible[:, :, 0] |= pad_rows
+        self.bias = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
+        self.bias.masked_fill_(~visible, float("-inf"))
+
+        # Samples grouped by prompt slot: the prompt's keys are read once for all of them.
+        self.groups = []
+        slots = layout.prompt_slot.tolist()
+        lengths = layout.prompt_len.tolist()
+        order = sorted(range(batch), key=lambda b: slots[b])
+        i = 0
+        while i < batch:
+            j = i
+            while j < batch and slots[order[j]] == slots[order[i]]:
+                j += 1
+            members = order[i:j]
+            contiguous = members == list(range(members[0], members[0] + len(members)))
+            index = slice(members[0], members[-1] + 1) if contiguous else torch.tensor(members)
+            self.groups.append((slots[order[i]], lengths[order[i]], index))
+            i = j
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        batch, qmax = self.batch, self.qmax
+        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
+        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
+
+        scale = dim ** -0.5
+        q_pad = q.new_zeros(batch, qmax, heads, dim)
+        q_pad[self.row_sample, self.row_index] = q * scale
+        # [B, kv_heads, group * Qmax, D]: query heads that share a kv head become extra rows.
+        q_rows = q_pad.view(batch, qmax, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
+            batch, kv_heads, group * qmax, dim)
+
+        own_k = cache.sample_k[layer, :batch, :, : self.key_len]
+        own_v = cache.sample_v[layer, :batch, :, : self.key_len]
+        own_scores = q_rows @ own_k.transpose(-1, -2)                          # [B, kvh, G*Q, K]
+        own_scores = own_scores.view(batch, kv_heads, group, qmax, self.key_len) + self.bias[:, None, None]
+        own_scores = own_scores.view(batch, kv_heads, group * qmax, self.key_len)
+        own_max = own_scores.amax(-1, keepdim=True)
+        own_exp = torch.exp(own_scores - own_max)
+        own_sum = own_exp.sum(-1, keepdim=True)
+        own_out = own_exp @ own_v                                              # [B, kvh, G*Q, D]
+
+        out = torch.empty_like(own_out)
+        for slot, length, index in self.groups:
+            members = own_out[index].shape[0]
+            pk = cache.prompt_k[layer, slot, :, :length]                       # [kvh, P, D]
+            pv = cache.prompt_v[layer, slot, :, :length]
+            qg = q_rows[index].transpose(0, 1).reshape(kv_heads, members * group * qmax, dim)
+            scores = qg @ pk.transpose(-1, -2)                                 # [kvh, m*G*Q, P]
+            pre_max = scores.amax(-1, keepdim=True)
+            pre_exp = torch.exp(scores - pre_max)
+            pre_sum = pre_exp.sum(-1, keepdim=True)
+            pre_out = pre_exp @ pv
+
+            def per_sample(x):
+                return x.view(kv_heads, members, group * qmax, x.shape[-1]).transpose(0, 1)
+
+            pre_max, pre_sum, pre_out = per_sample(pre_max), per_sample(pre_sum), per_sample(pre_out)
+            o_max, o_sum, o_out = own_max[index], own_sum[index], own_out[index]
+            top = torch.maximum(pre_max, o_max)
+            w_pre, w_own = torch.exp(pre_max - top), torch.exp(o_max - top)
+            out[index] = (pre_out * w_pre + o_out * w_own) / (pre_sum * w_pre + o_sum * w_own)
+
+        out = out.view(batch, kv_heads, group, qmax, dim).permute(0, 3, 1, 2, 4).reshape(batch, qmax, heads, dim)
+        return out[self.row_sample, self.row_index]

@@ -1,0 +1,376 @@
+"""The step loop: draft, pack, one target forward, verify, commit, observe.
+
+Plain decoding is this same loop with empty drafts. Requests wait until their n samples fit in
+the cache, are prefilled once (one prompt slot shared by all n samples), then step together
+with every other admitted sample in one packed forward. A sample leaves the batch as soon as it
+finishes and its slot goes to the next request.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from multispec.drafters import DraftTree, make_drafter
+from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, PrefillAttention, StepLayout, kv_bytes_per_token
+from multispec.engine.sampler import target_probs
+from multispec.engine.sequence import Request, Sample
+from multispec.models.llama import LlamaForCausalLM
+from multispec.models.tokenizer import Tokenizer
+from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig
+from multispec.verify import verify_tree
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Limits fixed when the model is loaded."""
+
+    max_model_len: int
+    kv_cache_bytes: int = 4 * GIB
+
+
+@dataclass
+class _Step:
+    """The packed inputs of one decode step, with what verification and commit need back."""
+
+    samples: list[Sample]
+    trees: list[DraftTree]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: StepLayout
+    row_offsets: list[int]
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.dtype = model.output_weight().dtype
+        self.device = model.output_weight().device
+        self.vocab_size = model.config.vocab_size
+
+    # ------------------------------------------------------------------ requests and memory
+    def make_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
+                      prompts: list[str | None]) -> list[Request]:
+        requests = []
+        for i, (ids, sp, text) in enumerate(zip(prompt_ids, params, prompts)):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty: give at least one token")
+            if len(ids) >= self.config.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens, more than the context window allows "
+                                 f"(max_model_len={self.config.max_model_len}, leaving room for 1 new token)")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+            seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            stop_ids = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                stop_ids |= set(self.tokenizer.eos_token_ids)
+            max_tokens = min(sp.max_tokens, self.config.max_model_len - len(ids))
+            requests.append(Request(str(i), text, list(ids), sp, max_tokens, generator, frozenset(stop_ids)))
+        return requests
+
+    def plan_cache(self, requests: list[Request], spec: SpecConfig) -> CacheShape:
+        """Choose slot counts that fit ``kv_cache_bytes``; refuse before allocating if one request cannot."""
+        per_token = kv_bytes_per_token(self.model.config, self.dtype)
+        draft = spec.max_draft_nodes if spec.speculates else 0
+        sample_capacity = max(r.max_tokens for r in requests) + draft + 1
+        prompt_capacity = max(r.prompt_len for r in requests)
+        largest_n = max(r.params.n for r in requests)
+        smallest_n = min(r.params.n for r in requests)
+        budget = self.config.kv_cache_bytes
+
+        def size(shape: CacheShape) -> int:
+            return shape.tokens() * per_token
+
+        minimum = CacheShape(largest_n, sample_capacity, 1, prompt_capacity)
+        if size(minimum) > budget:
+            raise ValueError(
+                f"request needs {size(minimum) / GIB:.2f} GiB of KV cache (n={largest_n} samples x "
+                f"{sample_capacity} tokens + a {prompt_capacity}-token prompt) but the cap is "
+                f"kv_cache_memory={budget / GIB:.2f} GiB; lower n or max_tokens, or raise the cap")
+        slots = sum(r.params.n for r in requests)
+        while True:
+            prompts = min(len(requests), max(1, slots // smallest_n))
+            shape = CacheShape(slots, sample_capacity, prompts, prompt_capacity)
+            if size(shape) <= budget or slots <= largest_n:
+                return shape if size(shape) <= budget else minimum
+            slots = max(largest_n, slots * 3 // 4)
+
+    # ------------------------------------------------------------------ the loop
+    def generate(self, requests: list[Request], spec: SpecConfig,
+                 on_step: Callable[[int, int], None] | None = None) -> tuple[list[RequestOutput], RunStats]:
+        stats = RunStats()
+        start = time.perf_counter()
+        shape = self.plan_cache(requests, spec)
+        cache = KVCache(self.model.config, shape, self.dtype, self.device)
+        drafter = make_drafter(spec.drafter, vocab_size=self.vocab_size, max_depth=spec.max_draft_tokens,
+                               max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
+                               aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
+        waiting = deque(requests)
+        slots: list[Sample] = []
+        next_sample_id = 0
+        with torch.inference_mode():
+            while waiting or slots:
+                admitted = []
+                while (waiting and cache.free_prompt_slots
+                       and len(slots) + sum(r.params.n for r in admitted) + waiting[0].params.n <= shape.sample_slots):
+                    admitted.append(waiting.popleft())
+                if admitted:
+                    for request in admitted:
+                        request.prompt_slot = cache.take_prompt_slot()
+                        request.samples = [Sample(request, i, next_sample_id + i) for i in range(request.params.n)]
+                        next_sample_id += request.params.n
+                        drafter.add_group(request.prompt_slot, request.prompt_ids,
+                                          [s.sample_id for s in request.samples])
+                    new = self._prefill(admitted, cache, stats)
+                    for sample in new:
+                        drafter.observe(sample.sample_id, sample.output_ids)
+                    slots.extend(new)
+                    done = self._retire(slots, cache, drafter)
+                    if on_step:
+                        on_step(len(new), done)
+                    continue
+                step_tokens = self._decode_step(slots, cache, spec, drafter, draft_generator, stats)
+                done = self._retire(slots, cache, drafter)
+                if on_step:
+                    on_step(step_tokens, done)
+        stats.time_total = time.perf_counter() - start
+        stats.generated_tokens = sum(len(s.output_ids) for r in requests for s in r.samples)
+        return [self._output(r) for r in requests], stats
+
+    def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats) -> list[Sample]:
+        """One forward over the admitted prompts; each prompt's last row seeds its n samples."""
+        t0 = time.perf_counter()
+        token_ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
+        positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
+        last_rows = torch.tensor(list(_cumsum([r.prompt_len for r in requests])), device=self.device) - 1
+        attention = PrefillAttention(cache, [(r.prompt_slot, r.prompt_len) for r in requests])
+        logits = self.model(token_ids, positions, attention, logit_rows=last_rows)
+        probs = target_probs(logits, *self._params_rows([r for r in requests]))
+        logsumexp = torch.logsumexp(logits, -1)
+        samples = []
+        for row, request in enumerate(requests):
+            first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
+            for sample, token in zip(request.samples, first.tolist()):
+                self._append(sample, [token], logits[row:row + 1], logsumexp[row:row + 1])
+                samples.append(sample)
+            request.unfinished = request.params.n
+        stats.prefill_forwards += 1
+        stats.prompt_tokens += int(token_ids.numel())
+        stats.time_prefill += time.perf_counter() - t0
+        return samples
+
+    def _params_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+        top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
+        top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
+        return temperature, top_k, top_p
+
+    def _pack(self, slots: list[Sample], trees: list[DraftTree]) -> _Step:
+        """Concatenate every sample's root and draft nodes; no padding anywhere but the masks."""
+        counts = [1 + len(t.tokens) for t in trees]
+        qmax = max(counts)
+        tree_mask = torch.zeros(len(slots), qmax, qmax, dtype=torch.bool)
+        tokens, positions, offsets = [], [], []
+        offset = 0
+        for b, (sample, tree) in enumerate(zip(slots, trees)):
+            base = sample.request.prompt_len + sample.cached
+            depth = [0]
+            tree_mask[b, 0, 0] = True
+            for j, parent in enumerate(tree.parents):
+                depth.append(depth[parent + 1] + 1)
+                tree_mask[b, j + 1] = tree_mask[b, parent + 1]
+                tree_mask[b, j + 1, j + 1] = True
+            tokens.append(sample.root)
+            tokens.extend(tree.tokens)
+            positions.extend(base + d for d in depth)
+            offsets.append(offset)
+            offset += counts[b]
+        layout = StepLayout(
+            counts=torch.tensor(counts),
+            cached=torch.tensor([s.cached for s in slots]),
+            prompt_slot=torch.tensor([s.request.prompt_slot for s in slots]),
+            prompt_len=torch.tensor([s.request.prompt_len for s in slots]),
+            tree_mask=tree_mask,
+        )
+        return _Step(slots, trees, torch.tensor(tokens, device=self.device),
+                     torch.tensor(positions, device=self.device), layout, offsets)
+
+    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator) -> list[DraftTree]:
+        if not spec.speculates:
+            return [DraftTree.EMPTY] * len(slots)
+        budgets = [max(0, min(spec.max_draft_nodes, s.remaining - 1)) for s in slots]
+        if spec.max_batch_tokens is not None:
+            spare = max(0, spec.max_batch_tokens - len(slots))
+            if sum(budgets) > spare:
+                share = spare // len(slots)
+                budgets = [min(b, share) for b in budgets]
+        return drafter.propose([s.sample_id for s in slots], budgets, generator)
+
+    def _decode_step(self, slots: list[Sample], cache: KVCache, spec: SpecConfig, drafter, generator,
+                     stats: RunStats) -> int:
+        t0 = time.perf_counter()
+        trees = self._draft(slots, spec, drafter, generator)
+        t1 = time.perf_counter()
+        step = self._pack(slots, trees)
+        logits = self.model(step.token_ids, step.positions, DecodeAttention(cache, step.layout))
+        t2 = time.perf_counter()
+        results = self._verify(step, logits, spec)
+        t3 = time.perf_counter()
+        gained = self._commit(step, logits, results, cache, drafter, stats)
+        t4 = time.perf_counter()
+        stats.decode_forwards += 1
+        stats.sample_steps += len(slots)
+        stats.forward_tokens += int(step.token_ids.numel())
+        stats.drafted_tokens += sum(len(t.tokens) for t in trees)
+        stats.time_draft += t1 - t0
+        stats.time_forward += t2 - t1
+        stats.time_verify += t3 - t2
+        stats.time_commit += t4 - t3
+        return gained
+
+    def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig):
+        """Per request (each has its own generator and scheme): accepted path and bonus per sample."""
+        by_request: dict[str, list[int]] = {}
+        for b, sample in enumerate(step.samples):
+            by_request.setdefault(sample.request.request_id, []).append(b)
+        counts = step.layout.counts.tolist()
+        results: list[tuple[list[int], int, torch.Tensor]] = [None] * len(step.samples)  # type: ignore[list-item]
+        for members in by_request.values():
+            request = step.samples[members[0]].request
+            rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])])
+            row_logits = logits if len(members) == len(step.samples) else logits[rows]
+            sp = request.params
+            n_rows = row_logits.shape[0]
+            probs = target_probs(row_logits, torch.full((n_rows,), float(sp.temperature)),
+                                 torch.full((n_rows,), sp.top_k, dtype=torch.long),
+                                 torch.full((n_rows,), float(sp.top_p)))
+            trees = [step.trees[b] for b in members]
+            node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long)
+            node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long)
+            node_offsets = torch.tensor([0] + list(_cumsum([len(tree.tokens) for tree in trees])), dtype=torch.long)
+            has_q = [tree.q is not None for tree in trees if tree.tokens]
+            q = torch.cat([tree.q for tree in trees if tree.tokens]) if has_q and all(has_q) else None
+            scheme = self._scheme(spec, sp, q is not None)
+            out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
+                              generator=request.generator)
+            bonus = out.bonus_token.tolist()
+            row_base = 0
+            for k, b in enumerate(members):
+                results[b] = (list(out.accepted_nodes[k]), bonus[k], probs[row_base:row_base + counts[b]])
+                row_base += counts[b]
+        return results
+
+    @staticmethod
+    def _scheme(spec: SpecConfig, sp: SamplingParams, sampled: bool) -> str:
+        if sp.temperature == 0:
+            return "greedy"
+        if spec.scheme != "auto":
+            return spec.scheme
+        return "canonical_wis" if sampled else "deterministic"
+
+    def _commit(self, step: _Step, logits: torch.Tensor, results, cache: KVCache, drafter, stats: RunStats) -> int:
+        """Append accepted tokens, move accepted tree nodes into place in the cache, observe."""
+        logsumexp = torch.logsumexp(logits, -1)
+        move_slots, move_src, move_dst = [], [], []
+        gained = 0
+        for b, sample in enumerate(step.samples):
+            path, bonus, probs = results[b]
+            tree = step.trees[b]
+            tokens = [tree.tokens[j] for j in path] + [bonus]
+            rows = [0] + [1 + j for j in path]
+            stats.accepted_tokens += len(path)
+            for k, j in enumerate(path):
+                if j != k:
+                    move_slots.append(b)
+                    move_src.append(sample.cached + 1 + j)
+                    move_dst.append(sample.cached + 1 + k)
+            token_probs = probs[torch.tensor(rows), torch.tensor(tokens)].tolist()
+            sample.cached += 1 + len(path)
+            base = step.row_offsets[b]
+            row_index = torch.tensor([base + r for r in rows])
+            before = len(sample.output_ids)
+            self._append(sample, tokens, logits[row_index], logsumexp[row_index])
+            added = len(sample.output_ids) - before
+            gained += added
+            drafter.observe(sample.sample_id, tokens[:added], token_probs[:added])
+        cache.keep_paths(torch.tensor(move_slots, dtype=torch.long), torch.tensor(move_src, dtype=torch.long),
+                         torch.tensor(move_dst, dtype=torch.long))
+        return gained
+
+    def _append(self, sample: Sample, tokens: list[int], logits: torch.Tensor, logsumexp: torch.Tensor) -> None:
+        """Add tokens up to the first stop condition, with their log-probabilities."""
+        request = sample.request
+        sp = request.params
+        take = tokens[: sample.remaining]
+        for i, token in enumerate(take):
+            if token in request.stop_ids:
+                take = take[: i + 1]
+                sample.finish_reason = "stop"
+                break
+        chosen = torch.tensor(take, dtype=torch.long)
+        lp = logits[: len(take)].gather(1, chosen[:, None]).squeeze(1) - logsumexp[: len(take)]
+        sample.cumulative_logprob += float(lp.sum())
+        if sp.logprobs is not None:
+            sample.logprobs = sample.logprobs or []
+            top = logits[: len(take)].topk(sp.logprobs, dim=-1) if sp.logprobs else None
+            for i, token in enumerate(take):
+                entry = {token: float(lp[i])}
+                if top is not None:
+                    for value, index in zip(top.values[i].tolist(), top.indices[i].tolist()):
+                        entry[index] = value - float(logsumexp[i])
+                sample.logprobs.append(entry)
+        sample.output_ids.extend(take)
+        if sp.stop and sample.finish_reason is None:
+            text = self.tokenizer.decode(sample.output_ids)
+            hits = [text.find(s) for s in sp.stop if s in text]
+            if hits:
+                sample.finish_reason = "stop"
+                sample.stop_text_end = min(hits)
+        if sample.finish_reason is None and sample.remaining <= 0:
+            sample.finish_reason = "length"
+
+    def _retire(self, slots: list[Sample], cache: KVCache, drafter) -> int:
+        """Drop finished samples, keeping the live ones in slots 0..B-1 (the attention reads them in place)."""
+        finished = [b for b, s in enumerate(slots) if s.finish_reason is not None]
+        for b in reversed(finished):
+            sample = slots[b]
+            last = len(slots) - 1
+            if b != last:
+                cache.move_sample(last, b, slots[last].cached)
+                slots[b] = slots[last]
+            slots.pop()
+            drafter.remove(sample.sample_id)
+            request = sample.request
+            request.unfinished -= 1
+            if request.unfinished == 0:
+                cache.release_prompt_slot(request.prompt_slot)
+        return len(finished)
+
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for sample in request.samples:
+            text = self.tokenizer.decode(sample.output_ids)
+            if sample.stop_text_end is not None:
+                text = text[: sample.stop_text_end]
+            outputs.append(CompletionOutput(sample.index, text, list(sample.output_ids), sample.cumulative_logprob,
+                                            sample.finish_reason or "length", sample.logprobs))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_ids, outputs)
+
+
+def _cumsum(values: list[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total

@@ -1,0 +1,40 @@
+"""From logits to the target distribution p that sampling and verification both use.
+
+Temperature, top-k and top-p are applied per row, so samples of different requests share one
+forward. Greedy rows (temperature 0) become one-hot at the argmax: every verification scheme
+then reduces to exact greedy decoding without a special case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """p[T, V] from logits[T, V] and per-row temperature[T], top_k[T] (0 = off), top_p[T]."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    use_k = top_k > 0
+    if bool(use_k.any()):
+        k = torch.where(use_k, top_k, torch.full_like(top_k, scaled.shape[-1])).clamp(max=scaled.shape[-1])
+        kmax = int(k[use_k].max())
+        top_values = scaled.topk(kmax, dim=-1).values
+        threshold = top_values.gather(1, (k.clamp(max=kmax) - 1)[:, None])
+        scaled = scaled.masked_fill(use_k[:, None] & (scaled < threshold), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    use_p = top_p < 1
+    if bool(use_p.any()):
+        rows = use_p.nonzero().squeeze(1)
+        sub = probs[rows]
+        sorted_p, order = sub.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = before >= top_p[rows, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        sub = sub.masked_fill(drop, 0.0)
+        probs[rows] = sub / sub.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1)
+        probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return probs
