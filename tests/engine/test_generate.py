@@ -1,0 +1,157 @@
+"""End-to-end plain decoding with the default model: parity, batching, seeds, limits, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from multispec import SamplingParams
+from multispec.engine.kv_cache import kv_bytes_per_token
+from multispec.engine.llm_engine import GIB
+
+
+@pytest.fixture(scope="module")
+def hf_model(llm):
+    """transformers' own Llama on the very same weights, for reference decoding."""
+    hf_config = transformers.LlamaConfig(
+        vocab_size=llm.config.vocab_size, hidden_size=llm.config.hidden_size,
+        intermediate_size=llm.config.intermediate_size, num_hidden_layers=llm.config.num_hidden_layers,
+        num_attention_heads=llm.config.num_attention_heads, num_key_value_heads=llm.config.num_key_value_heads,
+        max_position_embeddings=llm.config.max_position_embeddings, rms_norm_eps=llm.config.rms_norm_eps,
+        rope_theta=llm.config.rope_theta, tie_word_embeddings=llm.config.tie_word_embeddings)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(llm.model.state_dict(), strict=False)
+    model.tie_weights()
+    return model
+
+
+def test_greedy_matches_transformers_generate(llm, hf_model):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outputs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            want = hf_model.generate(ids, do_sample=False, max_new_tokens=24, min_new_tokens=24)[0, ids.shape[1]:]
+        for completion in out.outputs:
+            assert completion.token_ids == want.tolist()
+            assert completion.finish_reason == "length"
+
+
+def test_cumulative_logprob_is_the_models_sequence_logprob(llm, hf_model):
+    prompt = "Once upon a time"
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=3, logprobs=2))[0]
+    ids = llm.tokenizer.encode(prompt)
+    for completion in out.outputs:
+        full = torch.tensor([ids + completion.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(full).logits[0, len(ids) - 1:-1].float(), -1)
+        want = logp.gather(1, torch.tensor(completion.token_ids)[:, None]).sum().item()
+        assert completion.cumulative_logprob == pytest.approx(want, abs=1e-2)
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry and 2 <= len(entry) <= 3
+        assert sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)) == pytest.approx(
+            completion.cumulative_logprob, abs=1e-4)
+
+
+def test_prompt_is_prefilled_once_for_all_samples(llm):
+    prompt = "Write a short poem about the sea."
+    llm.generate(prompt, SamplingParams(n=8, temperature=1.0, max_tokens=8, seed=0))
+    stats = llm.last_stats
+    assert stats.prefill_forwards == 1
+    assert stats.prompt_tokens == len(llm.tokenizer.encode(prompt))
+
+
+def test_samples_leave_the_batch_when_they_finish(llm):
+    """Plain decoding gives each live sample one token per forward, so the sample-steps count is
+    exactly the tokens after the first; finished samples would inflate it if they stayed."""
+    out = llm.generate(["Hi", "List three colors:"], [SamplingParams(n=5, temperature=1.0, max_tokens=30, seed=1),
+                                                       SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=2)])
+    lengths = [len(c.token_ids) for o in out for c in o.outputs]
+    assert [len(o.outputs) for o in out] == [5, 3]
+    assert llm.last_stats.sample_steps == sum(n - 1 for n in lengths)
+    assert llm.last_stats.prefill_forwards == 1  # both prompts share one prefill forward
+    assert all(len(c.token_ids) <= 10 for c in out[1].outputs)
+
+
+def test_same_seed_same_outputs_different_seed_differs(llm):
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=123)
+    a = llm.generate("Tell me a story.", params)[0]
+    b = llm.generate("Tell me a story.", params)[0]
+    c = llm.generate("Tell me a story.", SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=124))[0]
+    assert [x.token_ids for x in a.outputs] == [x.token_ids for x in b.outputs]
+    assert [x.token_ids for x in a.outputs] != [x.token_ids for x in c.outputs]
+
+
+def test_seeded_request_does_not_depend_on_its_batch_mates(llm):
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=7)
+    alone = llm.generate("Name a fruit.", params)[0]
+    together = llm.generate(["Name a fruit.", "Count to five."],
+                            [params, SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=8)])[0]
+    assert [x.token_ids for x in alone.outputs] == [x.token_ids for x in together.outputs]
+
+
+def test_requests_queue_when_the_cache_cap_fits_one_at_a_time(llm):
+    params = SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["One", "Two two", "Three three three"]
+    free = llm.generate(prompts, params)
+    saved = llm.engine.config.kv_cache_bytes
+    try:
+        per_request = llm.engine.plan_cache(llm.engine.make_requests([[1] * 4], [params], [None]),
+                                            llm.spec).tokens()
+        # Room for one request's samples and a prompt, not for three requests at once.
+        llm.engine.config.kv_cache_bytes = int(per_request * 1.5 * kv_bytes_per_token(llm.config, torch.float32))
+        queued = llm.generate(prompts, params)
+    finally:
+        llm.engine.config.kv_cache_bytes = saved
+    assert [[c.token_ids for c in o.outputs] for o in free] == [[c.token_ids for c in o.outputs] for o in queued]
+    assert llm.last_stats.prefill_forwards == 3
+
+
+def test_request_too_large_for_the_cache_cap_is_refused_before_allocating(llm):
+    saved = llm.engine.config.kv_cache_bytes
+    try:
+        llm.engine.config.kv_cache_bytes = GIB // 1024
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            llm.generate("Hello", SamplingParams(n=64, max_tokens=4000))
+    finally:
+        llm.engine.config.kv_cache_bytes = saved
+
+
+def test_stop_string_and_stop_token(llm):
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(n=1, temperature=0, max_tokens=30, stop=[" 5"]))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and " 5" not in completion.text
+    first = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first[1]]))
+    assert out[0].outputs[0].token_ids == first[:2] and out[0].outputs[0].finish_reason == "stop"
+
+
+def test_eos_stops_a_chat_answer(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(n=2, temperature=0, max_tokens=64))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[-1] in llm.tokenizer.eos_token_ids
+
+
+def test_first_token_distribution_is_the_models(llm):
+    """Chi-square of 4000 first tokens against the model's own next-token distribution (top 10
+    tokens + the rest as one cell). At alpha = 1e-3 it catches a 5% total-variation error in the
+    sampler with power > 0.99."""
+    from scipy.stats import chisquare
+
+    prompt = "My favourite animal is the"
+    n = 4000
+    out = llm.generate(prompt, SamplingParams(n=n, temperature=1.0, max_tokens=1, seed=11))[0]
+    ids = torch.tensor(llm.tokenizer.encode(prompt))
+    from tests.helpers import new_cache, prefill
+
+    with torch.inference_mode():
+        probs = torch.softmax(prefill(llm.model, new_cache(llm.model), ids.tolist())[-1], -1)
+    top = probs.topk(10).indices.tolist()
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=probs.numel())
+    observed = [int(counts[t]) for t in top] + [n - int(counts[top].sum())]
+    expected = [float(probs[t]) for t in top] + [1 - float(probs[top].sum())]
+    expected = [e * n / sum(expected) for e in expected]
+    assert chisquare(observed, expected).pvalue > 1e-3
