@@ -1,0 +1,36 @@
+"""Consensus drafting: the sibling samples of a prompt draft for each other.
+
+Samples of one prompt agree on much of their text, so the continuations that follow a sample's
+last tokens in its siblings (and in the prompt, and in its own earlier text) are likely to be
+what it writes next. Each source votes with its longest match; the votes are merged into a
+weighted trie (see ``trie``) and the draft is cut from it.
+"""
+
+from __future__ import annotations
+
+from multispec.drafters.suffix import SuffixDrafter
+
+
+class ConsensusDrafter(SuffixDrafter):
+    """Drafts from the group's shared n-gram index.
+
+    ``aggregate=True``: every source (each sibling, finished or not, the sample itself, the prompt)
+    votes once with its longest match, weighted by match length and by the target's probabilities
+    of the continuation's tokens; the draft is the ``budget`` heaviest trie nodes (a chain where
+    the votes agree, branches where they split), at most ``max_depth`` deep.
+    ``aggregate=False``: the first match wins (longest, most recent, siblings before the prompt);
+    the ablation that measures what voting gains.
+    ``sampled=True``: tokens are drawn from the trie's normalised child weights instead of taken
+    by weight: ``num_drafts`` root children drawn i.i.d. with replacement (default
+    ``budget // max_depth``), each extended as a sampled chain; q holds, per node, the
+    distribution it was drawn from, for the multi-draft verification schemes.
+    """
+
+    share_siblings = True
+
+    def __init__(self, *, vocab_size: int, max_depth: int, max_nodes: int, sampled: bool = False,
+                 aggregate: bool = True, max_ngram: int = 4, min_ngram: int = 1, num_drafts: int | None = None,
+                 max_matches: int = 32, max_votes: int = 16):
+        super().__init__(vocab_size=vocab_size, max_depth=max_depth, max_nodes=max_nodes, sampled=sampled,
+                         aggregate=aggregate, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=num_drafts,
+                         max_matches=max_matches, max_votes=max_votes)

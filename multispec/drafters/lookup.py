@@ -1,0 +1,45 @@
+"""Suffix lookup: which continuations do the sources offer for a sample's last tokens?"""
+
+from __future__ import annotations
+
+from multispec.drafters.index import NgramIndex, Text
+
+Continuation = tuple[list[int], list[float], float]
+"""Tokens that followed a match, the target's probabilities of those tokens, and the vote weight."""
+
+LENGTH_DECAY = 0.25
+"""Weight ratio of an (n-1)-gram match to an n-gram match: a longer shared context is stronger
+evidence that the source continues the same way, so shorter matches only back the longer ones
+up (and decide where no long match exists) instead of outvoting them."""
+
+
+def find_continuations(text: Text, indexes: list[NgramIndex], depth: int, first_only: bool,
+                       max_votes: int) -> list[Continuation]:
+    """Continuations of ``text``'s suffix in the sources, longest match first.
+
+    Every source votes once, with its longest match (ties: its most recent one), weighted
+    ``LENGTH_DECAY ** (max_n - n)`` for an n-token match. A match with nothing after it (the
+    sample's own suffix matching itself, or a source that ends there) is skipped, so the sample's
+    own earlier text is a source like any other. At most ``max_votes`` are taken, the first found
+    (longest matches, most recent sources), which bounds the cost with many siblings.
+    ``first_only`` returns just the first match found (the longest, most recent one): the
+    no-voting ablation and plain prompt lookup. All ``indexes`` cover the same n-gram lengths;
+    earlier ones are searched first.
+    """
+    tokens = text.tokens
+    min_n, max_n = indexes[0].min_n, indexes[0].max_n
+    votes: list[Continuation] = []
+    voted: set[Text] = set()
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        key = tuple(tokens[-n:])
+        weight = LENGTH_DECAY ** (max_n - n)
+        for index in indexes:
+            for source, end in reversed(index.recent(key)):
+                if source in voted or end >= len(source.tokens):
+                    continue
+                stop = end + depth
+                votes.append((source.tokens[end:stop], source.probs[end:stop], weight))
+                if first_only or len(votes) == max_votes:
+                    return votes
+                voted.add(source)
+    return votes

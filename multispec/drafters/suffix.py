@@ -1,0 +1,103 @@
+"""Bookkeeping shared by the drafters that copy what followed a sample's suffix elsewhere.
+
+Each sample's text is kept as its prompt followed by its tokens, so a suffix that spans the end
+of the prompt matches too. The prompt is indexed once per group (n-grams ending inside it); the
+n-grams ending at or after the end of the prompt go into the samples' index, either one shared by
+the whole group (consensus: siblings draft for each other) or one per sample (prompt lookup).
+A finished sample's text stays in the index; a group's state is freed with its last sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from multispec.drafters.base import DraftTree
+from multispec.drafters.index import NgramIndex, Text
+from multispec.drafters.lookup import find_continuations
+from multispec.drafters.trie import Trie
+
+
+@dataclass(eq=False)
+class _Sample:
+    text: Text
+    index: NgramIndex
+    """Where the sample's new n-grams go."""
+    lookup: list[NgramIndex]
+    """Where the sample's suffix is looked up, most recent text first."""
+
+
+class SuffixDrafter:
+    """Drafts by suffix lookup; subclasses choose the sources and whether continuations vote.
+
+    ``max_matches``: occurrences of an n-gram kept and examined per lookup (the most recent);
+    ``max_votes``: continuations aggregated per draft. Both bound a step's cost whatever the
+    number of siblings and the length of their texts.
+    """
+
+    share_siblings: bool
+
+    def __init__(self, *, vocab_size: int, max_depth: int, max_nodes: int, sampled: bool, aggregate: bool,
+                 max_ngram: int, min_ngram: int, num_drafts: int | None, max_matches: int, max_votes: int):
+        if max_depth < 1 or max_nodes < 0 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need max_depth >= 1, max_nodes >= 0, 1 <= min_ngram <= max_ngram; got "
+                             f"{max_depth}, {max_nodes}, {min_ngram}, {max_ngram}")
+        self.vocab_size = vocab_size
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
+        self.sampled = sampled
+        self.aggregate = aggregate
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.num_drafts = num_drafts
+        self.max_matches = max_matches
+        self.max_votes = max_votes
+        self._samples: dict[int, _Sample] = {}
+
+    def _new_index(self) -> NgramIndex:
+        return NgramIndex(self.min_ngram, self.max_ngram, self.max_matches)
+
+    def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
+        taken = [s for s in sample_ids if s in self._samples]
+        if taken:
+            raise ValueError(f"sample ids already live: {taken}")
+        prompt = Text(list(prompt_ids))
+        prompt_index = self._new_index()
+        prompt_index.add(prompt, 1)
+        shared = self._new_index() if self.share_siblings else None
+        for sample_id in sample_ids:
+            text = Text(list(prompt_ids))
+            index = shared if shared is not None else self._new_index()
+            index.add(text, len(prompt_ids))
+            self._samples[sample_id] = _Sample(text, index, [index, prompt_index])
+
+    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None) -> None:
+        sample = self._samples[sample_id]
+        start = len(sample.text.tokens)
+        sample.text.extend(new_tokens, token_probs)
+        sample.index.add(sample.text, start + 1)
+
+    def remove(self, sample_id: int) -> None:
+        del self._samples[sample_id]
+
+    def propose(self, sample_ids: list[int], budgets: list[int],
+                generator: torch.Generator | None = None) -> list[DraftTree]:
+        budgets = [max(0, min(b, self.max_nodes)) for b in budgets]
+        uniforms = None
+        if self.sampled:  # one draw from the generator per step, enough for every node of every tree
+            uniforms = iter(torch.rand(sum(budgets), generator=generator, dtype=torch.float64).tolist())
+        return [self._propose_one(self._samples[s], b, uniforms) for s, b in zip(sample_ids, budgets)]
+
+    def _propose_one(self, sample: _Sample, budget: int, uniforms: Iterator[float] | None) -> DraftTree:
+        if budget == 0:
+            return DraftTree.EMPTY
+        depth = min(self.max_depth, budget)
+        continuations = find_continuations(sample.text, sample.lookup, depth, not self.aggregate, self.max_votes)
+        if not continuations:
+            return DraftTree.EMPTY
+        trie = Trie(continuations)
+        if uniforms is None:
+            return trie.heaviest(budget)
+        num_drafts = self.num_drafts or max(1, budget // self.max_depth)
+        return trie.sampled(budget, num_drafts, uniforms, self.vocab_size)

@@ -1,0 +1,127 @@
+"""Weighted trie of candidate continuations, and the two ways a draft tree is cut from it.
+
+A node's weight is the summed weight of the votes whose continuation passes through it, each
+vote's weight multiplied by the target's probability of every token on the way (where known):
+an estimate of how likely the sample is to produce that path. Weights never increase from a node
+to its children (votes only drop out, probabilities are at most 1), which makes "the m heaviest
+nodes" a valid tree and, for deterministic drafts, the tree with the most accepted tokens expected
+under that estimate.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from bisect import bisect_right
+from itertools import accumulate
+from typing import Iterator
+
+import torch
+
+from multispec.drafters.base import DraftTree
+from multispec.drafters.lookup import Continuation
+
+ROOT = 0
+
+
+class Trie:
+    """Flat-list trie; node 0 is the root (the sample's last token)."""
+
+    def __init__(self, continuations: list[Continuation]):
+        self.token = [-1]
+        self.weight = [0.0]
+        self.children: list[dict[int, int]] = [{}]
+        self._distributions: dict[int, tuple[list[int], list[float], list[float]]] = {}
+        for tokens, probs, weight in continuations:
+            self._insert(tokens, probs, weight)
+
+    def _insert(self, tokens: list[int], probs: list[float], weight: float) -> None:
+        node = ROOT
+        for token, prob in zip(tokens, probs):
+            weight *= prob
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.token)
+                self.children[node][token] = child
+                self.token.append(token)
+                self.weight.append(0.0)
+                self.children.append({})
+            self.weight[child] += weight
+            node = child
+
+    def heaviest(self, budget: int) -> DraftTree:
+        """The ``budget`` heaviest nodes, by best-first expansion (parents always come first)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-self.weight[c], c, -1) for c in self.children[ROOT].values()]
+        heapq.heapify(frontier)
+        while frontier and len(tokens) < budget:
+            _, node, parent = heapq.heappop(frontier)
+            local = len(tokens)
+            tokens.append(self.token[node])
+            parents.append(parent)
+            for child in self.children[node].values():
+                heapq.heappush(frontier, (-self.weight[child], child, local))
+        return DraftTree(tokens, parents, None)
+
+    def distribution(self, node: int) -> tuple[list[int], list[float], list[float]]:
+        """The children of ``node`` that can be drawn, their probabilities (normalised weights)
+        rounded to float32, which is what q holds, and the running sum of those same values, which
+        is what sampling inverts, so draws follow q exactly. Children whose probability is 0 in
+        float32 are left out (q > 0 for every token that can be drawn); a node whose children all
+        weigh 0 counts as a leaf."""
+        cached = self._distributions.get(node)
+        if cached is None:
+            kids = self.children[node]
+            total = sum(self.weight[c] for c in kids.values())
+            rounded = array("f", (self.weight[c] / total for c in kids.values())) if total > 0 else []
+            kept = [(token, prob) for token, prob in zip(kids, rounded) if prob > 0.0]
+            probs = [prob for _, prob in kept]
+            cached = ([token for token, _ in kept], probs, list(accumulate(probs)))
+            self._distributions[node] = cached
+        return cached
+
+    def draw(self, node: int, uniform: float) -> int:
+        """Child of ``node`` drawn by inverting its cumulative distribution at ``uniform`` in [0, 1)."""
+        tokens, _, cumulative = self.distribution(node)
+        pick = min(bisect_right(cumulative, uniform * cumulative[-1]), len(tokens) - 1)
+        return self.children[node][tokens[pick]]
+
+    def sampled(self, budget: int, num_drafts: int, uniforms: Iterator[float], vocab_size: int) -> DraftTree:
+        """A fork of sampled chains: ``num_drafts`` root children drawn i.i.d. (with replacement)
+        from the root's distribution, each extended by one child drawn from its own node's
+        distribution per level, the budget split evenly between the chains. Row i of q is the
+        distribution node i was drawn from; the root's children share one row. The number of
+        drafts is capped by the size of the root's support, a fact fixed before any draw, so a
+        point-mass root does not spend the budget on copies of one chain.
+        """
+        support = len(self.distribution(ROOT)[0])
+        if support == 0:
+            return DraftTree.EMPTY
+        width = min(num_drafts, budget, support)
+        tokens: list[int] = []
+        parents: list[int] = []
+        row_of: list[int] = []
+        for _ in range(width):
+            node, parent = ROOT, -1
+            for _ in range(budget // width):
+                if not self.distribution(node)[0]:
+                    break
+                row_of.append(node)
+                node = self.draw(node, next(uniforms))
+                tokens.append(self.token[node])
+                parents.append(parent)
+                parent = len(tokens) - 1
+        return DraftTree(tokens, parents, self._dense_q(row_of, vocab_size))
+
+    def _dense_q(self, row_of: list[int], vocab_size: int) -> torch.Tensor:
+        """[m, V] float32 q with row i the distribution of node row_of[i]'s children."""
+        rows, cols, values = [], [], []
+        for i, node in enumerate(row_of):
+            tokens, probs, _ = self.distribution(node)
+            rows.extend([i] * len(tokens))
+            cols.extend(tokens)
+            values.extend(probs)
+        q = torch.zeros(len(row_of), vocab_size, dtype=torch.float32)
+        q[rows, cols] = torch.tensor(values, dtype=torch.float32)
+        return q

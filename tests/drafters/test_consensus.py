@@ -1,0 +1,121 @@
+import random
+
+import pytest
+
+from multispec.drafters import DraftTree, make_drafter
+
+V = 200
+
+
+def consensus(**options):
+    options = {"vocab_size": V, "max_depth": 4, "max_nodes": 8, **options}
+    return make_drafter("consensus", **options)
+
+
+def group(drafter, texts, prompt=(100, 101)):
+    """One group whose sample i has observed texts[i], in order."""
+    drafter.add_group(0, list(prompt), list(range(len(texts))))
+    for sample, text in enumerate(texts):
+        drafter.observe(sample, text)
+    return drafter
+
+
+def propose(drafter, sample, budget=8):
+    return drafter.propose([sample], [budget])[0]
+
+
+@pytest.mark.parametrize("aggregate", [True, False])
+def test_longest_match_first(aggregate):
+    # sibling 1 shares the last 4 tokens, sibling 2 (more recent) only the last one
+    drafter = group(consensus(aggregate=aggregate), [[1, 2, 3, 4], [1, 2, 3, 4, 10, 11, 12], [9, 4, 20, 21]])
+    tree = propose(drafter, 0, budget=3)
+    assert tree.tokens == [10, 11, 12]
+    assert tree.parents == [-1, 0, 1]
+
+
+def test_aggregation_follows_the_majority():
+    # two siblings continue [1, 2, 3] with [5, 6], the most recent one with [7, 8]
+    texts = [[1, 2, 3], [1, 2, 3, 5, 6], [1, 2, 3, 5, 6], [1, 2, 3, 7, 8]]
+    assert propose(group(consensus(), texts), 0, budget=2).tokens == [5, 6]
+    assert propose(group(consensus(aggregate=False), texts), 0, budget=2).tokens == [7, 8]
+
+
+def test_tree_holds_the_heaviest_branches():
+    texts = [[1, 2, 3], [1, 2, 3, 5, 6], [1, 2, 3, 5, 6], [1, 2, 3, 7, 8]]
+    tree = propose(group(consensus(), texts), 0, budget=4)
+    assert tree.tokens == [5, 6, 7, 8]
+    assert tree.parents == [-1, 0, -1, 2]
+    assert tree.q is None
+
+
+def test_target_probabilities_weigh_votes():
+    drafter = consensus()
+    drafter.add_group(0, [100], [0, 1, 2, 3])
+    drafter.observe(0, [1, 2, 3])
+    for sample in (1, 2):
+        drafter.observe(sample, [1, 2, 3, 5], [1.0, 1.0, 1.0, 0.1])
+    drafter.observe(3, [1, 2, 3, 7], [1.0, 1.0, 1.0, 0.9])
+    assert propose(drafter, 0, budget=1).tokens == [7]
+
+
+def test_prompt_and_own_text_are_sources():
+    prompt_source = group(consensus(), [[2, 3]], prompt=(1, 2, 3, 4, 5))
+    assert propose(prompt_source, 0).tokens == [4, 5]
+    own_text = group(consensus(), [[1, 2, 3, 9, 8, 1, 2, 3]], prompt=(50,))
+    assert propose(own_text, 0, budget=3).tokens == [9, 8, 1]
+
+
+def test_own_suffix_does_not_match_itself():
+    assert propose(group(consensus(), [[1, 2, 3]], prompt=(50,)), 0) == DraftTree.EMPTY
+
+
+def test_siblings_continue_the_prompt():
+    drafter = group(consensus(), [[], [7, 8, 9]])
+    assert propose(drafter, 0).tokens == [7, 8, 9]
+
+
+def test_removed_samples_stay_sources_but_never_propose():
+    drafter = group(consensus(), [[1, 2], [1, 2, 3, 4]])
+    drafter.remove(1)
+    assert propose(drafter, 0).tokens == [3, 4]
+    with pytest.raises(KeyError):
+        propose(drafter, 1)
+
+
+def test_groups_do_not_share_text():
+    drafter = consensus()
+    drafter.add_group(0, [100], [0])
+    drafter.add_group(1, [100], [1])
+    drafter.observe(0, [1, 2])
+    drafter.observe(1, [1, 2, 3, 4])
+    assert propose(drafter, 0) == DraftTree.EMPTY
+
+
+def test_group_id_can_be_reused_after_its_samples_finish():
+    drafter = group(consensus(), [[1, 2, 3]])
+    drafter.remove(0)
+    drafter.add_group(0, [100], [5])
+    drafter.observe(5, [1, 2])
+    assert propose(drafter, 5) == DraftTree.EMPTY
+
+
+def test_zero_budget_is_empty():
+    drafter = group(consensus(), [[1, 2], [1, 2, 3, 4]])
+    assert drafter.propose([0, 0], [0, 3]) == [DraftTree.EMPTY, DraftTree(tokens=[3, 4], parents=[-1, 0], q=None)]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_random_texts_give_valid_trees(check_tree, sampled, aggregate):
+    rng = random.Random(0)
+    max_depth, max_nodes = 3, 5
+    drafter = consensus(max_depth=max_depth, max_nodes=max_nodes, sampled=sampled, aggregate=aggregate)
+    samples = list(range(8))
+    drafter.add_group(0, [rng.randrange(6) for _ in range(20)], samples)
+    for _ in range(40):
+        budgets = [rng.randrange(9) for _ in samples]
+        trees = drafter.propose(samples, budgets, None)
+        for sample, budget, tree in zip(samples, budgets, trees):
+            check_tree(tree, min(budget, max_nodes), max_depth, V)
+            new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            drafter.observe(sample, new, [rng.random() for _ in new] if rng.random() < 0.5 else None)
