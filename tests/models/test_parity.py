@@ -94,3 +94,14 @@ def test_tree_matches_paths():
                 node = parents[node]
             want = hf_logits(hf, history + path[::-1])[-1]
             assert (rows[b][j + 1] - want).abs().max() < TOL, (b, j)
+
+
+def test_default_model_matches_transformers(default_checkpoint, hf_default_model):
+    """The real SmolLM2 weights: a 60-token prompt, then 8 cached decoding steps."""
+    ours = LlamaForCausalLM.from_tensors(default_checkpoint.config, default_checkpoint.tensors)
+    text = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May? Let us think step by step. In April she "
+            "sold 48 clips. In May she sold half of that, which is 24 clips, so the total is 72.")
+    ids = default_checkpoint.tokenizer.encode(text)
+    assert len(ids) >= 58
+    check_model(hf_default_model, ours, ids[:50], ids[50:58])

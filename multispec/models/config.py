@@ -1,0 +1,141 @@
+"""Model hyper-parameters read from a Hugging Face ``config.json``.
+
+multispec runs its own Llama-family network, so this is the single place where the
+many spellings found in real checkpoints (old ``rope_scaling`` vs newer
+``rope_parameters``, missing optional keys, per-architecture defaults) are turned
+into one plain, fully resolved description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Values Hugging Face's config classes fall back to when config.json omits a key.
+# They differ per architecture, so a checkpoint that relies on them means the same
+# thing here as it does in transformers.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": None,  # None: same as num_attention_heads
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "MistralForCausalLM": {
+        "max_position_embeddings": 4096 * 32,
+        "num_key_value_heads": 8,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "Qwen2ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
+}
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Scaled RoPE types that are defined relative to the pre-training context length.
+_NEEDS_ORIGINAL_MAX = ("llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the network needs to know about a Llama-family checkpoint.
+
+    ``rope_scaling`` is ``None`` for plain RoPE; otherwise it holds ``rope_type`` plus
+    that type's parameters (never ``rope_theta``, which has its own field).
+    ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for
+    Llama it also puts a bias on o_proj, see the checkpoint's tensors).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        """Build from a parsed ``config.json``; raises ``ValueError`` for anything unsupported."""
+        architecture = _architecture(d)
+        defaults = _ARCH_DEFAULTS[architecture]
+        missing = [key for key in _REQUIRED if d.get(key) is None]
+        if missing:
+            raise ValueError(f"config for {architecture} lacks required keys: {', '.join(missing)}")
+
+        heads = int(d["num_attention_heads"])
+        kv_heads = d.get("num_key_value_heads", defaults["num_key_value_heads"])
+        max_positions = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
+        rope_theta, rope_scaling = _rope(d, max_positions)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            max_position_embeddings=max_positions,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM"
+            or (architecture == "LlamaForCausalLM" and bool(d.get("attention_bias", False))),
+            mlp_bias=architecture == "LlamaForCausalLM" and bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
+            eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
+        )
+
+
+def _architecture(d: dict) -> str:
+    """The causal-LM class name, from ``architectures`` or, failing that, ``model_type``."""
+    names = d.get("architectures") or []
+    architecture = names[0] if names else ARCHITECTURE_OF_MODEL_TYPE.get(d.get("model_type", ""), d.get("model_type"))
+    if architecture not in _ARCH_DEFAULTS:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(_ARCH_DEFAULTS)}"
+        )
+    return architecture
+
+
+def _rope(d: dict, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either the old or the new spelling."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type in _NEEDS_ORIGINAL_MAX:
+        # A top-level value wins, as in transformers (some configs keep it outside the dict).
+        original = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original or max_positions)
+    if rope_type != "yarn" and params.get("factor") is None:
+        raise ValueError(f"RoPE type {rope_type!r} needs a 'factor' in the config")
+    return theta, {"rope_type": rope_type, **params}
+
+
+def token_id_list(value: int | list[int] | None) -> list[int]:
+    """Token ids stored as one int, a list, or null, as a list."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]

@@ -1,0 +1,183 @@
+"""Load a checkpoint (config, tensors, tokenizer) from a Hugging Face directory or a GGUF file.
+
+A GGUF file is converted once, with transformers' own GGUF reader (it dequantises and
+undoes llama.cpp's q/k row permutation), into an ordinary Hugging Face directory in a
+cache; every later load reads that directory. transformers is imported only for the
+conversion, so a cached load costs little more than importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig
+from multispec.models.tokenizer import Tokenizer
+
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: tensors use the Hugging Face Llama names, as stored (no dtype change).
+
+    ``lm_head.weight`` is absent when the embeddings are tied.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path
+
+
+def load_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Checkpoint:
+    """Load a Hugging Face checkpoint directory or a ``.gguf`` file.
+
+    ``cache_dir`` is where GGUF conversions live (default ``$MULTISPEC_CACHE`` or
+    ``~/.cache/multispec``); ``Checkpoint.path`` is the directory actually read.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return _load_hf_dir(path)
+    if path.is_file():
+        if not _is_gguf(path):
+            raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file")
+        return _load_hf_dir(_converted_gguf(path, _cache_root(cache_dir)))
+    raise ValueError(f"checkpoint not found: {path}")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MULTISPEC_CACHE") or Path.home() / ".cache" / "multispec")
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == _GGUF_MAGIC
+
+
+def _load_hf_dir(path: Path) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.json; not a Hugging Face checkpoint directory")
+    try:
+        config = ModelConfig.from_hf_dict(json.loads(config_file.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed JSON in {config_file}: {exc}") from None
+
+    tensors: dict[str, torch.Tensor] = {}
+    for weights_file in _weight_files(path):
+        tensors.update(load_file(weights_file))
+    # Old checkpoints store RoPE buffers, and some store the tied head twice; neither is a parameter.
+    tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=Tokenizer.from_dir(path), path=path)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files, from the shard index when there is one."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ValueError(f"malformed shard index {index_file}: {exc}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index_file} lists missing shards: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def _converted_gguf(gguf: Path, cache_root: Path) -> Path:
+    """The cached Hugging Face directory for ``gguf``, converting it first if needed.
+
+    The key covers the file's resolved path, size and mtime, so an edited or replaced
+    file is converted again. The conversion is written to a temporary directory and
+    renamed into place, so a crash or a concurrent load never leaves a half-written entry.
+    """
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = cache_root / "gguf"
+    target = root / f"{gguf.stem}-{key}"
+    if target.is_dir():
+        return target
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=root))
+    try:
+        try:
+            _convert_gguf(gguf, tmp)
+        except Exception as exc:  # the GGUF reader fails in many ways on a damaged file
+            raise ValueError(f"cannot convert GGUF {gguf}: {exc}") from exc
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf)}), encoding="utf-8")
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_conversions(root, gguf, keep=target)
+    return target
+
+
+def _remove_stale_conversions(root: Path, gguf: Path, keep: Path) -> None:
+    """Delete earlier conversions of the same file: each holds a full float32 copy of the model."""
+    for entry in root.iterdir():
+        source = entry / "source.json"
+        if entry == keep or not entry.name.startswith(f"{gguf.stem}-") or not source.is_file():
+            continue
+        if json.loads(source.read_text(encoding="utf-8")).get("gguf") == str(gguf):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write ``gguf`` as config.json + model.safetensors (float32) + tokenizer files into ``out``.
+
+    Float32 because the dequantised values (scale * q + min, per block) are not exactly
+    representable in 16 bits; the loader can still cast when building the network.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config_dict = load_gguf_checkpoint(str(gguf))["config"]
+    model_type = config_dict.get("model_type")
+    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+        raise ValueError(f"unsupported architecture {model_type!r}")
+    config = AutoConfig.for_model(**config_dict)
+    config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
+
+    # The reader maps GGUF tensor names onto a model's parameter names, so it needs a
+    # model; one on the meta device costs no memory.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"tensors missing: {', '.join(missing[:5])}")
+
+    config.save_pretrained(out)
+    save_file({name: tensors[name].float().contiguous() for name in sorted(expected)},
+              out / "model.safetensors", metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
+    tokenizer.save_pretrained(out, save_jinja_files=False)

@@ -1,0 +1,199 @@
+"""Tokenizer and chat template for a checkpoint directory, without transformers.
+
+transformers takes seconds to import, while a ``tokenizer.json`` loads with the
+``tokenizers`` library in a fraction of a second. This wrapper reproduces what
+``transformers.AutoTokenizer`` (v5) does for Llama-family checkpoints:
+
+* ``tokenizer.json`` is the whole pipeline, including its post-processor, which is
+  what decides whether a BOS token is prepended (transformers v5 ignores
+  ``add_bos_token`` in ``tokenizer_config.json`` whenever a ``tokenizer.json`` exists).
+* the chat template is rendered by a sandboxed Jinja environment set up like
+  transformers' (trim/lstrip blocks, a ``tojson`` that does not HTML-escape,
+  ``raise_exception``, ``strftime_now``, loop controls, ``{% generation %}`` blocks),
+  with the named special tokens available as variables.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+
+from multispec.models.config import token_id_list
+
+# The named special tokens a chat template can refer to, as transformers exposes them.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """Encode/decode text and render chat prompts for one checkpoint."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+        extra_eos_token_ids: list[int],
+    ):
+        self._backend = backend
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        bos_token = special_tokens.get("bos_token")
+        # None when the tokenizer names no BOS (Qwen2), even if config.json has a bos_token_id.
+        self.bos_token_id: int | None = self.token_to_id(bos_token) if bos_token is not None else None
+        eos_ids = list(extra_eos_token_ids)
+        eos_token = special_tokens.get("eos_token")
+        if eos_token is not None and (eos_id := self.token_to_id(eos_token)) is not None:
+            eos_ids.append(eos_id)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos_ids))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a checkpoint directory holding ``tokenizer.json``.
+
+        End-of-sequence ids are gathered from ``generation_config.json``, ``config.json``
+        and the tokenizer's ``eos_token``, in that order, because instruction-tuned
+        checkpoints often stop on a turn-end token that only one of them names.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"no tokenizer.json in {path}")
+        try:
+            backend = _Backend.from_file(str(tokenizer_file))
+        except Exception as exc:  # the library raises a bare Exception for malformed files
+            raise ValueError(f"cannot read {tokenizer_file}: {exc}") from None
+
+        config = _read_json(path / "tokenizer_config.json")
+        special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES if config.get(name)}
+        if "added_tokens_decoder" not in config:
+            # Older checkpoints keep the special tokens in a separate file.
+            legacy = _read_json(path / "special_tokens_map.json")
+            special_tokens.update(
+                {name: _token_text(legacy[name]) for name in _SPECIAL_TOKEN_NAMES if legacy.get(name)}
+            )
+
+        eos_ids = token_id_list(_read_json(path / "generation_config.json").get("eos_token_id"))
+        eos_ids += token_id_list(_read_json(path / "config.json").get("eos_token_id"))
+        return cls(backend, special_tokens, _chat_template(path, config), eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (added tokens included).
+
+        The model's embedding table may be larger (padded); never smaller.
+        """
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the checkpoint's BOS/EOS rule.
+
+        Text produced by :meth:`apply_chat_template` already carries its special tokens,
+        so encode it with ``add_special_tokens=False``.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> str:
+        """Render a conversation with the checkpoint's own template.
+
+        A plain string is one user message. Keys whose value is ``None`` are dropped, as
+        transformers does, because templates test for presence rather than for None.
+        """
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not messages or not all(isinstance(message, dict) for message in messages):
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from None
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not parse: {exc}") from None
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks;
+    for inference it only needs to render its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Jinja's own tojson HTML-escapes, which would change the prompt text.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    """The default template: ``chat_template.jinja`` (newer layout) over the config entry.
+
+    A config may list several named templates; the one named ``default`` is used.
+    """
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry["name"]: entry["template"] for entry in template}
+        return named.get("default")
+    return template
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed JSON in {path}: {exc}") from None
+
+
+def _token_text(value: str | dict) -> str:
+    """Special tokens are stored either as text or as an AddedToken dict."""
+    return value["content"] if isinstance(value, dict) else value

@@ -1,0 +1,172 @@
+"""Shared fixtures for the model-loading tests.
+
+Converting the default GGUF takes ~20 s, so it happens once per session into a
+private cache directory, and every test that needs the real model shares it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from multispec.models import DEFAULT_MODEL, Checkpoint, load_checkpoint, resolve_model
+from multispec.models.loading import default_cache_dir
+
+# A Llama-3-like template: BOS written by the template, loop controls, tojson, raise_exception,
+# strftime_now, a generation block, whitespace that only trim_blocks/lstrip_blocks remove, and a
+# key tested for presence.
+TINY_CHAT_TEMPLATE = (
+    "{% set year = strftime_now('%Y') %}{{ bos_token }}{% for m in messages %}\n"
+    "  {% if m['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "    {{ raise_exception('bad role ' + m['role']) }}\n"
+    "  {% endif %}\n"
+    "  {% if m['role'] == 'system' and not loop.first %}{% continue %}{% endif %}\n"
+    "<|start|>{{ m['role'] }}{% if 'name' in m %} ({{ m['name'] }}){% endif %}\n"
+    "{% generation %}{{ m['content'] | trim }}{% endgeneration %}"
+    "{% if m.get('meta') %} {{ m['meta'] | tojson }}{% endif %}"
+    "<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+TINY_SPECIALS = ["<unk>", "<s>", "</s>", "<|start|>", "<|end|>"]
+
+
+def write_tiny_tokenizer(directory: Path) -> None:
+    """A small byte-level BPE tokenizer with Llama-style special tokens that prepends BOS, trained on the spot."""
+    tok = BackendTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=TINY_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = ["Hello world! The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x * 2\n"]
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", TINY_SPECIALS.index("<s>"))]
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},  # the older spelling
+        "unk_token": "<unk>",
+        "chat_template": TINY_CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# Hugging Face parameter names (after "model.layers.{i}.") and their llama.cpp names.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, layer, rest = stem.split(".", 3)
+        return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}.{kind}"
+    return f"{_GGUF_NAMES[stem]}.{kind}"
+
+
+def _interleave_rotary_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for the llama architecture: within each head the two rotary
+    halves [x0..x(d/2-1) | y0..y(d/2-1)] are stored as pairs x0 y0 x1 y1 ..."""
+    head_dim = weight.shape[0] // heads
+    return weight.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
+    """Write a transformers model as an F32 GGUF, the way llama.cpp's converter lays it out,
+    with the byte-level tokenizer from ``tokenizer_dir`` in GGUF metadata."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny")
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in TINY_SPECIALS else 1 for token, _ in vocab])
+    writer.add_token_merges([" ".join(pair) for pair in spec["model"]["merges"]])
+    writer.add_bos_token_id(spec["model"]["vocab"]["<s>"])
+    writer.add_eos_token_id(spec["model"]["vocab"]["<|end|>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            tensor = _interleave_rotary_halves(tensor, config.num_attention_heads)
+        if arch == "llama" and ".k_proj." in name:
+            tensor = _interleave_rotary_halves(tensor, config.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    """The session's fresh cache (tests/conftest.py points MULTISPEC_CACHE at it): one conversion
+    of the default GGUF serves every test, the CLI subprocesses included."""
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(default_gguf, model_cache_dir) -> Checkpoint:
+    """The default model, converted from its GGUF into the session cache."""
+    return load_checkpoint(default_gguf, cache_dir=model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf):
+    """transformers' own float32 model loaded from the default GGUF: the reference (~15 s)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A random two-layer Llama saved by transformers, with the tiny tokenizer beside it."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return directory

