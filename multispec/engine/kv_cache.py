@@ -42,7 +42,8 @@ class CacheShape:
 class KVCache:
     """Keys/values as [layers, slots, kv_heads, capacity, head_dim] for samples and prompts."""
 
-    def __init__(self, config: ModelConfig, shape: CacheShape, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, shape: CacheShape, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 with_holes: bool = False):
         self.config = config
         self.shape = shape
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
@@ -53,6 +54,8 @@ class KVCache:
         self.prompt_k = torch.empty(prompt_dims, dtype=dtype, device=device)
         self.prompt_v = torch.empty(prompt_dims, dtype=dtype, device=device)
         self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
+        # Only the padded-batching ablation leaves masked filler ("holes") inside a sample's cache.
+        self.valid = torch.ones(shape.sample_slots, shape.sample_capacity, dtype=torch.bool) if with_holes else None
 
     def take_prompt_slot(self) -> int:
         return self.free_prompt_slots.pop()
@@ -64,6 +67,8 @@ class KVCache:
         """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""
         self.sample_k[:, dst, :, :length] = self.sample_k[:, src, :, :length]
         self.sample_v[:, dst, :, :length] = self.sample_v[:, src, :, :length]
+        if self.valid is not None:
+            self.valid[dst, :length] = self.valid[src, :length]
 
     def keep_paths(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Commit accepted tree paths: cache position ``src[i]`` of ``slots[i]`` moves to ``dst[i]``.
@@ -112,11 +117,12 @@ class StepLayout:
 
     Sample ``b`` (in slot ``b``) contributes ``counts[b]`` tokens: its root (the last sampled
     token, not yet cached) and its draft nodes. ``tree_mask[b, i, j]`` says new token j is an
-    ancestor-or-self of new token i.
+    ancestor-or-self of new token i. ``written[b]`` is how far the sample's slot is filled; the
+    new tokens are written right after it.
     """
 
     counts: torch.Tensor          # [B] tokens per sample this step (>= 1)
-    cached: torch.Tensor          # [B] tokens already in each sample slot
+    written: torch.Tensor         # [B] cache entries already used in each sample slot
     prompt_slot: torch.Tensor     # [B] prompt slot of each sample
     prompt_len: torch.Tensor      # [B] prompt length of each sample
     tree_mask: torch.Tensor       # [B, Qmax, Qmax] bool
@@ -135,13 +141,15 @@ class DecodeAttention:
         offsets = torch.cumsum(counts, 0) - counts
         self.row_sample = torch.repeat_interleave(torch.arange(batch), counts)
         self.row_index = torch.arange(total) - offsets[self.row_sample]
-        self.row_cache_pos = layout.cached[self.row_sample] + self.row_index
-        self.key_len = int((layout.cached + counts).max())
+        self.row_cache_pos = layout.written[self.row_sample] + self.row_index
+        self.key_len = int((layout.written + counts).max())
 
         # Own-cache mask: every cached key, plus the new tokens that are ancestors-or-self.
         key_pos = torch.arange(self.key_len)
-        rel = key_pos[None, :] - layout.cached[:, None]                      # [B, K]
+        rel = key_pos[None, :] - layout.written[:, None]                     # [B, K]
         old = rel < 0
+        if cache.valid is not None:
+            old = old & cache.valid[:batch, : self.key_len]
         new = (rel >= 0) & (rel < counts[:, None])
         rel_clamped = rel.clamp(0, qmax - 1)
         tree = torch.gather(layout.tree_mask, 2, rel_clamped[:, None, :].expand(batch, qmax, self.key_len))

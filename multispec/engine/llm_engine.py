@@ -83,7 +83,11 @@ class Engine:
         """Choose slot counts that fit ``kv_cache_bytes``; refuse before allocating if one request cannot."""
         per_token = kv_bytes_per_token(self.model.config, self.dtype)
         draft = spec.max_draft_nodes if spec.speculates else 0
-        sample_capacity = max(r.max_tokens for r in requests) + draft + 1
+        longest = max(r.max_tokens for r in requests)
+        sample_capacity = longest + draft + 1
+        if spec.batching == "padded" and spec.speculates:
+            # Filler entries: every step may advance a sample by the batch's longest acceptance.
+            sample_capacity = longest * (1 + min(spec.max_draft_tokens, draft)) + draft + 1
         prompt_capacity = max(r.prompt_len for r in requests)
         largest_n = max(r.params.n for r in requests)
         smallest_n = min(r.params.n for r in requests)
@@ -112,7 +116,8 @@ class Engine:
         stats = RunStats()
         start = time.perf_counter()
         shape = self.plan_cache(requests, spec)
-        cache = KVCache(self.model.config, shape, self.dtype, self.device)
+        padded = spec.batching == "padded" and spec.speculates
+        cache = KVCache(self.model.config, shape, self.dtype, self.device, with_holes=padded)
         drafter = make_drafter(spec.drafter, vocab_size=self.vocab_size, max_depth=spec.max_draft_tokens,
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
@@ -177,10 +182,16 @@ class Engine:
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
         return temperature, top_k, top_p
 
-    def _pack(self, slots: list[Sample], trees: list[DraftTree]) -> _Step:
-        """Concatenate every sample's root and draft nodes; no padding anywhere but the masks."""
+    def _pack(self, slots: list[Sample], trees: list[DraftTree], padded: bool) -> _Step:
+        """Concatenate every sample's root and draft nodes; no padding anywhere but the masks.
+
+        ``padded`` is the ablation: every sample is filled up to the longest draft with filler
+        nodes (children of the root that nothing verifies), as a padded batch would compute them.
+        """
         counts = [1 + len(t.tokens) for t in trees]
         qmax = max(counts)
+        if padded:
+            counts = [qmax] * len(trees)
         tree_mask = torch.zeros(len(slots), qmax, qmax, dtype=torch.bool)
         tokens, positions, offsets = [], [], []
         offset = 0
@@ -192,14 +203,18 @@ class Engine:
                 depth.append(depth[parent + 1] + 1)
                 tree_mask[b, j + 1] = tree_mask[b, parent + 1]
                 tree_mask[b, j + 1, j + 1] = True
+            for j in range(len(tree.tokens), counts[b] - 1):
+                depth.append(1)
+                tree_mask[b, j + 1, 0] = tree_mask[b, j + 1, j + 1] = True
             tokens.append(sample.root)
             tokens.extend(tree.tokens)
+            tokens.extend([sample.root] * (counts[b] - 1 - len(tree.tokens)))
             positions.extend(base + d for d in depth)
             offsets.append(offset)
             offset += counts[b]
         layout = StepLayout(
             counts=torch.tensor(counts),
-            cached=torch.tensor([s.cached for s in slots]),
+            written=torch.tensor([s.written for s in slots]),
             prompt_slot=torch.tensor([s.request.prompt_slot for s in slots]),
             prompt_len=torch.tensor([s.request.prompt_len for s in slots]),
             tree_mask=tree_mask,
@@ -223,12 +238,13 @@ class Engine:
         t0 = time.perf_counter()
         trees = self._draft(slots, spec, drafter, generator)
         t1 = time.perf_counter()
-        step = self._pack(slots, trees)
+        padded = cache.valid is not None
+        step = self._pack(slots, trees, padded)
         logits = self.model(step.token_ids, step.positions, DecodeAttention(cache, step.layout))
         t2 = time.perf_counter()
         results = self._verify(step, logits, spec)
         t3 = time.perf_counter()
-        gained = self._commit(step, logits, results, cache, drafter, stats)
+        gained = self._commit(step, logits, results, cache, drafter, stats, padded)
         t4 = time.perf_counter()
         stats.decode_forwards += 1
         stats.sample_steps += len(slots)
@@ -245,12 +261,13 @@ class Engine:
         by_request: dict[str, list[int]] = {}
         for b, sample in enumerate(step.samples):
             by_request.setdefault(sample.request.request_id, []).append(b)
-        counts = step.layout.counts.tolist()
+        counts = [1 + len(t.tokens) for t in step.trees]
         results: list[tuple[list[int], int, torch.Tensor]] = [None] * len(step.samples)  # type: ignore[list-item]
         for members in by_request.values():
             request = step.samples[members[0]].request
             rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])])
-            row_logits = logits if len(members) == len(step.samples) else logits[rows]
+            whole = len(members) == len(step.samples) and rows.numel() == logits.shape[0]
+            row_logits = logits if whole else logits[rows]
             sp = request.params
             n_rows = row_logits.shape[0]
             probs = target_probs(row_logits, torch.full((n_rows,), float(sp.temperature)),
@@ -263,8 +280,9 @@ class Engine:
             has_q = [tree.q is not None for tree in trees if tree.tokens]
             q = torch.cat([tree.q for tree in trees if tree.tokens]) if has_q and all(has_q) else None
             scheme = self._scheme(spec, sp, q is not None)
+            # The engine builds these tensors itself, so the input checks are skipped here.
             out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
-                              generator=request.generator)
+                              generator=request.generator, validate=False)
             bonus = out.bonus_token.tolist()
             row_base = 0
             for k, b in enumerate(members):
@@ -280,11 +298,17 @@ class Engine:
             return spec.scheme
         return "canonical_wis" if sampled else "deterministic"
 
-    def _commit(self, step: _Step, logits: torch.Tensor, results, cache: KVCache, drafter, stats: RunStats) -> int:
-        """Append accepted tokens, move accepted tree nodes into place in the cache, observe."""
+    def _commit(self, step: _Step, logits: torch.Tensor, results, cache: KVCache, drafter, stats: RunStats,
+                padded: bool) -> int:
+        """Append accepted tokens, move accepted tree nodes into place in the cache, observe.
+
+        Padded ablation: every sample's slot advances by the batch's longest acceptance, the
+        entries past its own acceptance stay behind as masked filler.
+        """
         logsumexp = torch.logsumexp(logits, -1)
         move_slots, move_src, move_dst = [], [], []
         gained = 0
+        advance = 1 + max(len(r[0]) for r in results)
         for b, sample in enumerate(step.samples):
             path, bonus, probs = results[b]
             tree = step.trees[b]
@@ -294,10 +318,16 @@ class Engine:
             for k, j in enumerate(path):
                 if j != k:
                     move_slots.append(b)
-                    move_src.append(sample.cached + 1 + j)
-                    move_dst.append(sample.cached + 1 + k)
+                    move_src.append(sample.written + 1 + j)
+                    move_dst.append(sample.written + 1 + k)
             token_probs = probs[torch.tensor(rows), torch.tensor(tokens)].tolist()
             sample.cached += 1 + len(path)
+            if padded:
+                cache.valid[b, sample.written: sample.written + 1 + len(path)] = True
+                cache.valid[b, sample.written + 1 + len(path): sample.written + advance] = False
+                sample.written += advance
+            else:
+                sample.written = sample.cached
             base = step.row_offsets[b]
             row_index = torch.tensor([base + r for r in rows])
             before = len(sample.output_ids)
@@ -348,7 +378,7 @@ class Engine:
             sample = slots[b]
             last = len(slots) - 1
             if b != last:
-                cache.move_sample(last, b, slots[last].cached)
+                cache.move_sample(last, b, slots[last].written)
                 slots[b] = slots[last]
             slots.pop()
             drafter.remove(sample.sample_id)

@@ -16,6 +16,8 @@ class Sample:
     ``output_ids`` ends with the *root*: the last sampled token, whose keys are not cached yet
     (it is the first input of the next step). ``cached`` counts the generated tokens whose keys
     are in the sample's cache slot, so while the sample runs ``cached == len(output_ids) - 1``.
+    ``written`` is how many cache entries the slot uses: equal to ``cached`` except in the
+    padded-batching ablation, where masked filler entries sit between real ones.
     """
 
     request: "Request"
@@ -23,6 +25,7 @@ class Sample:
     sample_id: int
     output_ids: list[int] = field(default_factory=list)
     cached: int = 0
+    written: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None

@@ -1,0 +1,241 @@
+"""Tree verification: walk every sample's draft tree from its root in one batched call.
+
+At each depth, every sample still walking sits at one node; the chosen token-level scheme runs
+once for all of them over that node's children (the candidates), then each sample either descends
+into the accepted child or stops with the scheme's output token as its bonus token. The loop is
+over depth, never over samples. Lossless by induction over depth: each node's scheme emits exactly
+p(. | prefix), and a child's own drafts were drawn given its token, independently of the decision.
+
+Packed layout (matches the engine's forward): sample b owns nodes node_offsets[b]:node_offsets[b+1]
+and rows node_offsets[b] + b ... node_offsets[b+1] + b of p: first its root row (the distribution
+after its last accepted token), then one row per node (the distribution after that node's token).
+
+Temperature 0: pass scheme="greedy" with any p whose argmax is the greedy token (probabilities or
+logits-derived); it never draws random numbers. A batch that mixes greedy and sampled samples
+passes one-hot rows for the greedy ones: every scheme then follows argmax exactly, since each is
+lossless for every p.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from multispec.verify import sampling
+from multispec.verify.batch import Selection
+from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S, canonical_select
+from multispec.verify.direct import deterministic_select, greedy_select
+from multispec.verify.recursive import recursive_rejection
+from multispec.verify.speculative import single_draft
+from multispec.verify.spectr import spectr_select
+from multispec.verify.validation import check_distribution, check_integer
+
+SCHEMES = ("greedy", "deterministic", "single", "specinfer", "without_replacement", "spectr", "canonical_lp", "canonical_wis")
+# Schemes that read each sibling group's shared q (the first sibling's row) rather than one row per sibling.
+SHARED_Q = ("single", "without_replacement", "spectr", "canonical_lp", "canonical_wis")
+
+
+@dataclass
+class TreeVerifyResult:
+    """Per sample: the accepted path (root child first) and the bonus token drawn where the walk stopped."""
+
+    accepted_nodes: list[list[int]]  # local node indices along the accepted path
+    num_accepted: torch.Tensor  # [B] long
+    bonus_token: torch.Tensor  # [B] long
+    accepted_path: torch.Tensor  # [B, depth_max] long local node indices, -1 fill (depth_max = deepest tree)
+    accepted_tokens: torch.Tensor  # [B, depth_max] long tokens of the accepted nodes, -1 fill
+
+
+@dataclass
+class TreeLayout:
+    """Index tensors derived once from the packed tree description."""
+
+    root_row: torch.Tensor  # [B] row of p holding each sample's root distribution
+    node_row: torch.Tensor  # [M] row of p holding the distribution after each node
+    first_node: torch.Tensor  # [B] global index of each sample's first node
+    children: torch.Tensor  # [B + M, max(1, K_max)] global node ids of each row's children, -1 padded
+    depth_max: int
+
+
+def verify_tree(
+    p: torch.Tensor,
+    node_tokens: torch.Tensor,
+    node_parents: torch.Tensor,
+    node_offsets: torch.Tensor,
+    q: torch.Tensor | None = None,
+    scheme: str = "auto",
+    generator: torch.Generator | None = None,
+    *,
+    validate: bool = True,
+    top_s: int = DEFAULT_TOP_S,
+    ranked: int | None = DEFAULT_RANKED,
+) -> TreeVerifyResult:
+    """Accepted path and bonus token for every sample of a packed batch of draft trees.
+
+    p [B + M, V] target probabilities (temperature/top-k/top-p already applied); node_tokens [M],
+    node_parents [M] (local parent index, -1 = root child, parents before children), node_offsets
+    [B + 1]; q [M, V] the distribution each node was drawn from, or None for deterministic drafts.
+
+    Which joint law the siblings were drawn from decides which schemes are lossless:
+    "specinfer" allows independent siblings with different q rows; "spectr", "canonical_lp",
+    "canonical_wis" need i.i.d. siblings (equal q rows); "without_replacement" needs siblings drawn
+    one after another without replacement from their first sibling's q row; "single" allows one
+    child per node; "deterministic" and "greedy" ignore q. "auto" picks "deterministic" when q is
+    None and "canonical_wis" otherwise (i.i.d. siblings, the drafters' default).
+    """
+    scheme = resolve_scheme(scheme, q)
+    if validate:
+        _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme)
+    layout = tree_layout(node_parents, node_offsets)
+    if scheme == "single" and layout.children.shape[1] > 1:
+        raise ValueError("scheme 'single' takes at most one child per node; use a multi-draft scheme for branching trees")
+    select = _token_scheme(scheme, top_s, ranked)
+    batch = node_offsets.shape[0] - 1
+    device = p.device
+    current = layout.root_row.clone()
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, layout.depth_max), -1, dtype=torch.long, device=device)
+    bonus = torch.full((batch,), -1, dtype=torch.long, device=device)
+    for depth in range(layout.depth_max + 1):
+        who = walking.nonzero().squeeze(1)
+        if who.numel() == 0:
+            break
+        rows = current[who]
+        kids = layout.children[rows]
+        kids = kids[:, : max(1, int((kids >= 0).sum(1).max()))]
+        choice = _select_at_nodes(select, scheme, p[rows], kids, node_tokens, q, generator)
+        accepted = choice.index >= 0
+        child = kids.gather(1, choice.index.clamp_min(0)[:, None]).squeeze(1)
+        stopped = who[~accepted]
+        bonus[stopped] = choice.token[~accepted]
+        walking[stopped] = False
+        if bool(accepted.any()):
+            went = who[accepted]
+            path[went, depth] = child[accepted]
+            current[went] = layout.node_row[child[accepted]]
+    return _result(path, bonus, node_tokens, layout)
+
+
+def resolve_scheme(scheme: str, q: torch.Tensor | None) -> str:
+    """Name of the scheme that will run; "auto" resolves from whether drafts carry a distribution."""
+    if scheme == "auto":
+        return "deterministic" if q is None else "canonical_wis"
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected 'auto' or one of {SCHEMES}")
+    return scheme
+
+
+def _token_scheme(scheme: str, top_s: int, ranked: int | None):
+    """The token-level function for ``scheme`` with inputs already validated."""
+    if scheme in ("greedy", "deterministic"):
+        return None
+    if scheme == "single":
+        return partial(single_draft, validate=False)
+    if scheme in ("specinfer", "without_replacement"):
+        return partial(recursive_rejection, without_replacement=scheme == "without_replacement", validate=False)
+    if scheme == "spectr":
+        return partial(spectr_select, validate=False)
+    return partial(canonical_select, rule=scheme.removeprefix("canonical_"), top_s=top_s, ranked=ranked, validate=False)
+
+
+def _select_at_nodes(select, scheme, p_rows, kids, node_tokens, q, generator) -> Selection:
+    """Run the scheme at one node per row; rows without children take argmax p or a draw from p."""
+    n = p_rows.shape[0]
+    no_index = torch.full((n,), -1, dtype=torch.long, device=p_rows.device)
+    if not bool((kids[:, 0] >= 0).any()):
+        token = p_rows.argmax(-1) if scheme == "greedy" else sampling.sample_rows(p_rows, generator, fallback=p_rows)
+        return Selection(token, no_index)
+    candidates = torch.where(kids >= 0, node_tokens[kids.clamp_min(0)], -1)
+    if scheme == "greedy":
+        return greedy_select(p_rows, candidates, validate=False)
+    if scheme == "deterministic":
+        return deterministic_select(p_rows, candidates, generator, validate=False)
+    leaf = kids[:, 0] < 0
+    token = torch.empty(n, dtype=torch.long, device=p_rows.device)
+    if bool(leaf.any()):
+        token[leaf] = sampling.sample_rows(p_rows[leaf], generator, fallback=p_rows[leaf])
+    inner = (~leaf).nonzero().squeeze(1)
+    if inner.numel():
+        inner_kids = kids[inner]
+        q_rows = q[inner_kids[:, 0]] if scheme in SHARED_Q else q[inner_kids.clamp_min(0)]
+        chosen = select(p_rows[inner], candidates[inner], q_rows, generator)
+        token[inner] = chosen.token
+        no_index[inner] = chosen.index
+    return Selection(token, no_index)
+
+
+def tree_layout(node_parents: torch.Tensor, node_offsets: torch.Tensor) -> TreeLayout:
+    """Rows, children lists and depth of the packed trees, with tensor ops only (no loop over nodes)."""
+    device = node_parents.device
+    batch = node_offsets.shape[0] - 1
+    num_nodes = node_parents.shape[0]
+    counts = node_offsets.diff()
+    sample = torch.repeat_interleave(torch.arange(batch, device=device), counts)
+    node = torch.arange(num_nodes, device=device)
+    root_row = node_offsets[:-1] + torch.arange(batch, device=device)
+    node_row = node + sample + 1
+    first_node = node_offsets[:-1]
+    parent_node = torch.where(node_parents >= 0, first_node[sample] + node_parents, -1)
+    parent_row = torch.where(node_parents >= 0, node_row[parent_node.clamp_min(0)], root_row[sample])
+    per_row = torch.bincount(parent_row, minlength=batch + num_nodes)
+    width = max(1, int(per_row.max()) if num_nodes else 0)
+    order = torch.argsort(parent_row, stable=True)
+    slot = torch.arange(num_nodes, device=device) - (per_row.cumsum(0) - per_row)[parent_row[order]]
+    children = torch.full((batch + num_nodes, width), -1, dtype=torch.long, device=device)
+    children[parent_row[order], slot] = order
+    return TreeLayout(root_row, node_row, first_node, children, _depth_max(parent_node))
+
+
+def _depth_max(parent_node: torch.Tensor) -> int:
+    """Depth of the deepest node (root children have depth 1) by pointer jumping: O(log M) passes."""
+    if parent_node.numel() == 0:
+        return 0
+    hop = parent_node.clone()
+    depth = torch.ones_like(parent_node)
+    for _ in range(max(1, parent_node.numel().bit_length())):
+        up = hop >= 0
+        depth = torch.where(up, depth + depth[hop.clamp_min(0)], depth)
+        hop = torch.where(up, hop[hop.clamp_min(0)], hop)
+    return int(depth.max())
+
+
+def _result(path, bonus, node_tokens, layout) -> TreeVerifyResult:
+    """Local indices, tokens and counts of the accepted paths."""
+    taken = path >= 0
+    local = torch.where(taken, path - layout.first_node[:, None], -1)
+    tokens = torch.where(taken, node_tokens[path.clamp_min(0)], -1)
+    num = taken.sum(1)
+    nodes = [row[:k] for row, k in zip(local.tolist(), num.tolist())]
+    return TreeVerifyResult(nodes, num, bonus, local, tokens)
+
+
+def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme) -> None:
+    """Raise ValueError naming the first problem with the packed inputs."""
+    check_integer("node_tokens", node_tokens, 1)
+    check_integer("node_parents", node_parents, 1)
+    check_integer("node_offsets", node_offsets, 1)
+    if p.dim() != 2:
+        raise ValueError(f"p must be [B + M, V], got shape {tuple(p.shape)}")
+    num_nodes, batch = node_tokens.shape[0], node_offsets.shape[0] - 1
+    if batch < 1:
+        raise ValueError("node_offsets must hold B + 1 >= 2 entries")
+    if node_parents.shape[0] != num_nodes:
+        raise ValueError(f"node_parents has {node_parents.shape[0]} entries but node_tokens has {num_nodes}")
+    if int(node_offsets[0]) != 0 or int(node_offsets[-1]) != num_nodes or bool((node_offsets.diff() < 0).any()):
+        raise ValueError(f"node_offsets must rise from 0 to M = {num_nodes}")
+    if p.shape[0] != batch + num_nodes:
+        raise ValueError(f"p has {p.shape[0]} rows; expected B + M = {batch} + {num_nodes}")
+    check_distribution("p", p)
+    vocab = p.shape[1]
+    if bool(((node_tokens < 0) | (node_tokens >= vocab)).any()):
+        raise ValueError(f"node_tokens: token ids must lie in [0, {vocab})")
+    sample = torch.repeat_interleave(torch.arange(batch, device=p.device), node_offsets.diff())
+    local = torch.arange(num_nodes, device=p.device) - node_offsets[:-1][sample]
+    if bool(((node_parents < -1) | (node_parents >= local)).any()):
+        raise ValueError("node_parents: each parent must be -1 (root) or an earlier node of the same sample")
+    if scheme in SCHEMES[2:]:
+        if q is None:
+            raise ValueError(f"scheme {scheme!r} needs q, the draft distributions of the nodes")
+        if q.shape != (num_nodes, vocab):
+            raise ValueError(f"q must be [M, V] = [{num_nodes}, {vocab}], got shape {tuple(q.shape)}")
+        check_distribution("q", q)

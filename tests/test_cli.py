@@ -1,0 +1,39 @@
+"""The command line end to end on the default model (short generations)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ)
+    env.pop("MULTISPEC_NO_PROGRESS", None)
+    return subprocess.run([sys.executable, "-m", "multispec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_prints_samples_and_progress(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 2?\nName a color.\n")
+    result = run_cli("generate", "--prompts-file", str(prompts), "--n", "2", "--max-tokens", "8", "--chat",
+                     "--seed", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [len(line["samples"]) for line in lines] == [2, 2]
+    assert all(len(s["token_ids"]) <= 8 for line in lines for s in line["samples"])
+    assert "tok/s" in result.stderr  # the live progress bar and the closing summary
+
+
+def test_gsm8k_job_votes_and_reports_speed():
+    result = run_cli("gsm8k", "--questions", "1", "--n", "2", "--max-tokens", "16", "--seed", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Q0: voted" in result.stdout and "reference 18" in result.stdout
+    assert "tokens/s" in result.stdout
+
+
+def test_unreadable_prompts_file_is_one_line_error(tmp_path):
+    result = run_cli("generate", "--prompts-file", str(tmp_path / "nope.txt"))
+    assert result.returncode == 2 and "nope.txt" in result.stderr and "Traceback" not in result.stderr
