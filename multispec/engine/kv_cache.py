@@ -49,10 +49,12 @@ class KVCache:
         layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         sample_dims = (layers, shape.sample_slots, heads, shape.sample_capacity, dim)
         prompt_dims = (layers, shape.prompt_slots, heads, shape.prompt_capacity, dim)
-        self.sample_k = torch.empty(sample_dims, dtype=dtype, device=device)
-        self.sample_v = torch.empty(sample_dims, dtype=dtype, device=device)
-        self.prompt_k = torch.empty(prompt_dims, dtype=dtype, device=device)
-        self.prompt_v = torch.empty(prompt_dims, dtype=dtype, device=device)
+        # Zeroed, not empty: masked-out entries still enter the matmuls (as 0 * value), and
+        # uninitialised memory can hold NaN or inf, which a zero weight does not cancel.
+        self.sample_k = torch.zeros(sample_dims, dtype=dtype, device=device)
+        self.sample_v = torch.zeros(sample_dims, dtype=dtype, device=device)
+        self.prompt_k = torch.zeros(prompt_dims, dtype=dtype, device=device)
+        self.prompt_v = torch.zeros(prompt_dims, dtype=dtype, device=device)
         self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
         # Only the padded-batching ablation leaves masked filler ("holes") inside a sample's cache.
         self.valid = torch.ones(shape.sample_slots, shape.sample_capacity, dtype=torch.bool) if with_holes else None

@@ -1,0 +1,138 @@
+"""Speculative decoding is lossless end to end on the default model.
+
+Greedy: token ids identical to plain decoding for every drafter and both batching modes.
+Sampling: the law of the first three tokens under speculation equals the model's exact law.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2, chisquare, ncx2
+
+from multispec import SamplingParams, SpecConfig
+from multispec.engine.sampler import target_probs
+from multispec.reasoning import load_gsm8k
+from multispec.reasoning.gsm8k import INSTRUCTION
+from tests.helpers import new_cache, prefill
+
+SPECS = {
+    "consensus": SpecConfig(drafter="consensus"),
+    "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False),
+    "consensus-tree": SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=8),
+    "consensus-sampled": SpecConfig(drafter="consensus", sampled_drafts=True),
+    "ngram": SpecConfig(drafter="ngram"),
+    "consensus-padded": SpecConfig(drafter="consensus", batching="padded"),
+    "ngram-padded": SpecConfig(drafter="ngram", batching="padded"),
+}
+
+
+@pytest.fixture(scope="module")
+def gsm8k_greedy(llm):
+    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=2)]
+    params = SamplingParams(n=3, temperature=0, max_tokens=40)
+    plain = llm.chat(conversations, params, SpecConfig(drafter="none"))
+    return conversations, params, plain
+
+
+def assert_same_greedy_tokens(llm, prompt_ids: list[int], got: list[int], want: list[int]):
+    """Identical ids, except where plain decoding itself stood on a numerical tie.
+
+    Batches of different shapes round differently (~1e-6 in the logits), so when the top two
+    logits are that close either token is the greedy choice; past such a tie the texts may part.
+    A real bug moves logits by far more than the 1e-4 allowed here.
+    """
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if k is None:
+        assert len(got) == len(want)
+        return
+    with torch.inference_mode():
+        ids = prompt_ids + want[:k]
+        logits = prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)[-1]
+    top = logits.topk(2).values
+    assert float(top[0] - top[1]) < 1e-4, f"token {k} differs ({got[k]} vs {want[k]}) without a tie"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_greedy_tokens_identical_to_plain(llm, gsm8k_greedy, name):
+    conversations, params, plain = gsm8k_greedy
+    outputs = llm.chat(conversations, params, SPECS[name])
+    for out, ref in zip(outputs, plain):
+        for got, want in zip(out.outputs, ref.outputs):
+            assert_same_greedy_tokens(llm, ref.prompt_token_ids, got.token_ids, want.token_ids)
+    plain = [[c.token_ids for c in o.outputs] for o in plain]
+    stats = llm.last_stats
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0  # speculation really happened
+    assert stats.decode_forwards < max(len(t) for o in plain for t in o)
+
+
+def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float):
+    """Every token sequence of ``length`` whose exact probability under the sampling law is at least
+    ``threshold``, found by expanding prefixes with plain prefill forwards (no speculation involved)."""
+    cells = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(length):
+            grown = {}
+            for prefix, mass in cells.items():
+                ids = prompt_ids + list(prefix)
+                logits = prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)[-1:]
+                probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]))[0]
+                top = probs.topk(64)
+                for p, token in zip(top.values.tolist(), top.indices.tolist()):
+                    if mass * p >= threshold:
+                        grown[prefix + (token,)] = mass * p
+            cells = grown
+    return cells
+
+
+SAMPLED = {
+    "consensus": SpecConfig(drafter="consensus", max_draft_tokens=2, max_draft_nodes=2),
+    "consensus-sampled": SpecConfig(drafter="consensus", max_draft_tokens=2, max_draft_nodes=2, sampled_drafts=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLED))
+def test_sampled_first_tokens_follow_the_model(llm, name):
+    """Chi-square of 6,000 speculative samples of the first 3 tokens against their exact law.
+
+    Cells: every 3-token sequence with exact probability >= 0.5%, plus one cell for the rest. The
+    prompt repeats a pattern so drafts (from the prompt and the siblings) are proposed and often
+    accepted at tokens 2 and 3. Power: the test asserts it would reject, at alpha = 1e-3 with
+    probability >= 0.9, a sampler that moves 2% of the probability mass from the most likely
+    sequence to the second (a 2% total-variation bias), computed from the noncentral chi-square.
+    """
+    prompt = "red green blue red green blue red green blue red green"
+    ids = llm.tokenizer.encode(prompt)
+    temperature, length, per_call, calls = 1.5, 3, 1000, 6
+    cells = exact_cells(llm, ids, temperature, length, threshold=0.005)
+    keys = sorted(cells, key=cells.get, reverse=True)
+    expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
+    total = per_call * calls
+
+    # Power against the planted alternative, before looking at the data.
+    shifted = list(expected_p)
+    shifted[0] -= 0.02
+    shifted[1] += 0.02
+    noncentrality = total * sum((a - b) ** 2 / b for a, b in zip(shifted, expected_p))
+    df = len(expected_p) - 1
+    alpha = 1e-3
+    assert ncx2.sf(chi2.isf(alpha, df), df, noncentrality) >= 0.9
+
+    counts = dict.fromkeys(keys, 0)
+    other = 0
+    drafted = accepted = 0
+    for seed in range(calls):
+        out = llm.generate([ids], SamplingParams(n=per_call, temperature=temperature, max_tokens=length,
+                                                 ignore_eos=True, seed=seed), SAMPLED[name])[0]
+        drafted += llm.last_stats.drafted_tokens
+        accepted += llm.last_stats.accepted_tokens
+        for completion in out.outputs:
+            key = tuple(completion.token_ids)
+            if key in counts:
+                counts[key] += 1
+            else:
+                other += 1
+    assert accepted > 0.2 * total, "too few accepted drafts for the test to exercise verification"
+    observed = [counts[k] for k in keys] + [other]
+    expected = [p * total for p in expected_p]
+    assert chisquare(observed, expected).pvalue > alpha
