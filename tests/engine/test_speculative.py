@@ -93,18 +93,18 @@ SAMPLED = {
 
 @pytest.mark.parametrize("name", sorted(SAMPLED))
 def test_sampled_first_tokens_follow_the_model(llm, name):
-    """Chi-square of 6,000 speculative samples of the first 3 tokens against their exact law.
+    """Chi-square of 8,000 speculative samples of the first 3 tokens against their exact law.
 
-    Cells: every 3-token sequence with exact probability >= 0.5%, plus one cell for the rest. The
+    Cells: every 3-token sequence with exact probability >= 1%, plus one cell for the rest. The
     prompt repeats a pattern so drafts (from the prompt and the siblings) are proposed and often
-    accepted at tokens 2 and 3. Power: the test asserts it would reject, at alpha = 1e-3 with
+    accepted at tokens 2 and 3, where the model is unsure (the top sequence has p ~ 0.5). Power: the test asserts it would reject, at alpha = 1e-3 with
     probability >= 0.9, a sampler that moves 2% of the probability mass from the most likely
     sequence to the second (a 2% total-variation bias), computed from the noncentral chi-square.
     """
-    prompt = "red green blue red green blue red green blue red green"
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2,"
     ids = llm.tokenizer.encode(prompt)
-    temperature, length, per_call, calls = 1.5, 3, 1000, 6
-    cells = exact_cells(llm, ids, temperature, length, threshold=0.005)
+    temperature, length, per_call, calls = 1.0, 3, 1000, 8
+    cells = exact_cells(llm, ids, temperature, length, threshold=0.01)
     keys = sorted(cells, key=cells.get, reverse=True)
     expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
     total = per_call * calls
