@@ -77,6 +77,10 @@ class LLM:
         self.last_stats = stats
         return outputs
 
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Raw next-token logits [len(token_ids), V] at every position of one sequence (teacher forcing)."""
+        return self.engine.sequence_logits(list(token_ids))
+
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, spec=None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""

@@ -102,6 +102,10 @@ def cmd_gsm8k(args) -> int:
     params, spec = _sampling(args), _spec(args)
     llm = _llm(args)
     conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in problems]
+    baseline = None
+    if args.baseline and spec.drafter != "none":
+        llm.chat(conversations, params, SpecConfig(drafter="none"))
+        baseline = llm.last_stats
     outputs = llm.chat(conversations, params, spec)
     stats = llm.last_stats
     correct = 0
@@ -113,6 +117,13 @@ def cmd_gsm8k(args) -> int:
               f"{'OK' if ok else 'WRONG'}")
     print(f"majority-vote accuracy {correct}/{len(problems)}; {stats.generated_tokens} tokens in "
           f"{stats.time_total:.1f}s = {stats.tokens_per_second:.1f} tokens/s ({spec.drafter} drafter)")
+    print(f"speculation: {stats.decode_forwards} target forwards, tau {stats.tau:.2f} tokens per forward per sample, "
+          f"{stats.acceptance_rate:.1%} of {stats.drafted_tokens} drafted tokens accepted; time draft "
+          f"{stats.time_draft:.1f}s / forward {stats.time_forward:.1f}s / verify {stats.time_verify:.1f}s / "
+          f"commit {stats.time_commit:.1f}s")
+    if baseline is not None:
+        print(f"plain decoding, same run: {baseline.generated_tokens} tokens in {baseline.time_total:.1f}s = "
+              f"{baseline.tokens_per_second:.1f} tokens/s; speedup {stats.tokens_per_second / baseline.tokens_per_second:.2f}x")
     print(stats.summary(), file=sys.stderr)
     return 0
 
@@ -137,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(gsm, drafter="none")
     gsm.add_argument("--questions", type=int, default=4)
     gsm.add_argument("--offset", type=int, default=0)
+    gsm.add_argument("--baseline", action="store_true",
+                     help="first run the same job with plain decoding and print the speedup")
     gsm.set_defaults(func=cmd_gsm8k)
 
     from multispec.verify import analysis

@@ -76,7 +76,9 @@ class SpecConfig:
     (a chain when the two are equal and the drafter proposes one branch). ``scheme`` picks the
     verification rule ("auto": greedy at temperature 0, deterministic for unsampled drafts,
     the canonical decomposition for sampled ones). ``batching="padded"`` is the ablation that
-    pads every sample to the batch's longest draft and acceptance.
+    pads every sample to the batch's longest draft and acceptance. ``adaptive`` lets each step
+    choose its draft length from the measured cost of a forward and the measured acceptance, so
+    speculation never costs more than it gains (off: always draft up to the maximum).
     """
 
     drafter: str = "none"
@@ -89,6 +91,7 @@ class SpecConfig:
     max_ngram: int = 4
     min_ngram: int = 1
     max_batch_tokens: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:

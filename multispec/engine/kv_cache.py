@@ -162,21 +162,29 @@ class DecodeAttention:
         self.bias = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
         self.bias.masked_fill_(~visible, float("-inf"))
 
-        # Samples grouped by prompt slot: the prompt's keys are read once for all of them.
-        self.groups = []
+        # Samples grouped by prompt slot: each prompt's keys are read once for all its samples.
+        # Queries are laid out [prompt, member, ...] (padded to the largest group) so every
+        # prompt is handled by one batched matmul, however many prompts share the step.
         slots = layout.prompt_slot.tolist()
         lengths = layout.prompt_len.tolist()
-        order = sorted(range(batch), key=lambda b: slots[b])
-        i = 0
-        while i < batch:
-            j = i
-            while j < batch and slots[order[j]] == slots[order[i]]:
-                j += 1
-            members = order[i:j]
-            contiguous = members == list(range(members[0], members[0] + len(members)))
-            index = slice(members[0], members[-1] + 1) if contiguous else torch.tensor(members)
-            self.groups.append((slots[order[i]], lengths[order[i]], index))
-            i = j
+        distinct = sorted(set(slots))
+        group_of = {slot: g for g, slot in enumerate(distinct)}
+        member = [0] * batch
+        seen = [0] * len(distinct)
+        for b, slot in enumerate(slots):
+            member[b] = seen[group_of[slot]]
+            seen[group_of[slot]] += 1
+        self.num_groups, self.group_size = len(distinct), max(seen)
+        self.sample_group = torch.tensor([group_of[slot] for slot in slots])
+        self.sample_member = torch.tensor(member)
+        self.group_slots = torch.tensor(distinct)
+        self.prompt_len = max(lengths)
+        length_of = {slot: length for slot, length in zip(slots, lengths)}
+        pad = torch.arange(self.prompt_len)[None, :] >= torch.tensor([length_of[s] for s in distinct])[:, None]
+        self.prompt_bias = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
+        self.prompt_bias.masked_fill_(pad[:, None, None, :], float("-inf"))
+        # One prompt whose samples fill slots 0..B-1 in order: no scatter needed.
+        self.single = len(distinct) == 1
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -184,6 +192,7 @@ class DecodeAttention:
         kv_heads = k.shape[1]
         group = heads // kv_heads
         batch, qmax = self.batch, self.qmax
+        rows = group * qmax
         cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
         cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
 
@@ -192,38 +201,46 @@ class DecodeAttention:
         q_pad[self.row_sample, self.row_index] = q * scale
         # [B, kv_heads, group * Qmax, D]: query heads that share a kv head become extra rows.
         q_rows = q_pad.view(batch, qmax, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
-            batch, kv_heads, group * qmax, dim)
+            batch, kv_heads, rows, dim)
 
         own_k = cache.sample_k[layer, :batch, :, : self.key_len]
         own_v = cache.sample_v[layer, :batch, :, : self.key_len]
         own_scores = q_rows @ own_k.transpose(-1, -2)                          # [B, kvh, G*Q, K]
         own_scores = own_scores.view(batch, kv_heads, group, qmax, self.key_len) + self.bias[:, None, None]
-        own_scores = own_scores.view(batch, kv_heads, group * qmax, self.key_len)
+        own_scores = own_scores.view(batch, kv_heads, rows, self.key_len)
         own_max = own_scores.amax(-1, keepdim=True)
         own_exp = torch.exp(own_scores - own_max)
         own_sum = own_exp.sum(-1, keepdim=True)
         own_out = own_exp @ own_v                                              # [B, kvh, G*Q, D]
 
-        out = torch.empty_like(own_out)
-        for slot, length, index in self.groups:
-            members = own_out[index].shape[0]
-            pk = cache.prompt_k[layer, slot, :, :length]                       # [kvh, P, D]
-            pv = cache.prompt_v[layer, slot, :, :length]
-            qg = q_rows[index].transpose(0, 1).reshape(kv_heads, members * group * qmax, dim)
-            scores = qg @ pk.transpose(-1, -2)                                 # [kvh, m*G*Q, P]
-            pre_max = scores.amax(-1, keepdim=True)
-            pre_exp = torch.exp(scores - pre_max)
-            pre_sum = pre_exp.sum(-1, keepdim=True)
-            pre_out = pre_exp @ pv
+        # Prompt half: [prompts, kvh, members * G*Q, D] against each prompt's keys.
+        plen = self.prompt_len
+        if self.single:
+            slot = int(self.group_slots[0])
+            pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
+            pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
+            qg = q_rows.transpose(0, 1).reshape(1, kv_heads, batch * rows, dim)
+        else:
+            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
+            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
+            qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
+            qg[self.sample_group, self.sample_member] = q_rows
+            qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)
+        scores = qg @ pk.transpose(-1, -2) + self.prompt_bias                  # [P, kvh, m*G*Q, L]
+        pre_max = scores.amax(-1, keepdim=True)
+        pre_exp = torch.exp(scores - pre_max)
+        pre_sum = pre_exp.sum(-1, keepdim=True)
+        pre_out = pre_exp @ pv
 
-            def per_sample(x):
-                return x.view(kv_heads, members, group * qmax, x.shape[-1]).transpose(0, 1)
+        def per_sample(x):
+            x = x.view(x.shape[0], kv_heads, -1, rows, x.shape[-1]).transpose(1, 2)  # [P, m, kvh, G*Q, .]
+            if self.single:
+                return x[0]
+            return x[self.sample_group, self.sample_member]
 
-            pre_max, pre_sum, pre_out = per_sample(pre_max), per_sample(pre_sum), per_sample(pre_out)
-            o_max, o_sum, o_out = own_max[index], own_sum[index], own_out[index]
-            top = torch.maximum(pre_max, o_max)
-            w_pre, w_own = torch.exp(pre_max - top), torch.exp(o_max - top)
-            out[index] = (pre_out * w_pre + o_out * w_own) / (pre_sum * w_pre + o_sum * w_own)
-
+        pre_max, pre_sum, pre_out = per_sample(pre_max), per_sample(pre_sum), per_sample(pre_out)
+        top = torch.maximum(pre_max, own_max)
+        w_pre, w_own = torch.exp(pre_max - top), torch.exp(own_max - top)
+        out = (pre_out * w_pre + own_out * w_own) / (pre_sum * w_pre + own_sum * w_own)
         out = out.view(batch, kv_heads, group, qmax, dim).permute(0, 3, 1, 2, 4).reshape(batch, qmax, heads, dim)
         return out[self.row_sample, self.row_index]

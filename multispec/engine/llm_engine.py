@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from multispec.drafters import DraftTree, make_drafter
+from multispec.engine.budget import DraftBudget
 from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, PrefillAttention, StepLayout, kv_bytes_per_token
 from multispec.engine.sampler import target_probs
 from multispec.engine.sequence import Request, Sample
@@ -110,6 +111,20 @@ class Engine:
                 return shape if size(shape) <= budget else minimum
             slots = max(largest_n, slots * 3 // 4)
 
+    def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, in one prefill forward through a scratch cache."""
+        if not token_ids:
+            raise ValueError("token_ids is empty")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        if not all(0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        cache = KVCache(self.model.config, CacheShape(0, 0, 1, len(token_ids)), self.dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, device=self.device)
+            return self.model(ids, torch.arange(len(token_ids), device=self.device),
+                              PrefillAttention(cache, [(0, len(token_ids))]))
+
     # ------------------------------------------------------------------ the loop
     def generate(self, requests: list[Request], spec: SpecConfig,
                  on_step: Callable[[int, int], None] | None = None) -> tuple[list[RequestOutput], RunStats]:
@@ -122,6 +137,7 @@ class Engine:
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
         draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
+        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0)
         waiting = deque(requests)
         slots: list[Sample] = []
         next_sample_id = 0
@@ -146,7 +162,7 @@ class Engine:
                     if on_step:
                         on_step(len(new), done)
                     continue
-                step_tokens = self._decode_step(slots, cache, spec, drafter, draft_generator, stats)
+                step_tokens = self._decode_step(slots, cache, spec, drafter, draft_generator, budget, stats)
                 done = self._retire(slots, cache, drafter)
                 if on_step:
                     on_step(step_tokens, done)
@@ -222,10 +238,17 @@ class Engine:
         return _Step(slots, trees, torch.tensor(tokens, device=self.device),
                      torch.tensor(positions, device=self.device), layout, offsets)
 
-    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator) -> list[DraftTree]:
+    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator, budget: DraftBudget) -> list[DraftTree]:
         if not spec.speculates:
             return [DraftTree.EMPTY] * len(slots)
-        budgets = [max(0, min(spec.max_draft_nodes, s.remaining - 1)) for s in slots]
+        nodes = spec.max_draft_nodes
+        if spec.adaptive:
+            length = budget.choose(len(slots))
+            if length == 0:
+                return [DraftTree.EMPTY] * len(slots)
+            if length < spec.max_draft_tokens:
+                nodes = min(nodes, length)
+        budgets = [max(0, min(nodes, s.remaining - 1)) for s in slots]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - len(slots))
             if sum(budgets) > spare:
@@ -234,9 +257,9 @@ class Engine:
         return drafter.propose([s.sample_id for s in slots], budgets, generator)
 
     def _decode_step(self, slots: list[Sample], cache: KVCache, spec: SpecConfig, drafter, generator,
-                     stats: RunStats) -> int:
+                     budget: DraftBudget, stats: RunStats) -> int:
         t0 = time.perf_counter()
-        trees = self._draft(slots, spec, drafter, generator)
+        trees = self._draft(slots, spec, drafter, generator, budget)
         t1 = time.perf_counter()
         padded = cache.valid is not None
         step = self._pack(slots, trees, padded)
@@ -246,6 +269,9 @@ class Engine:
         t3 = time.perf_counter()
         gained = self._commit(step, logits, results, cache, drafter, stats, padded)
         t4 = time.perf_counter()
+        budget.record_forward(int(step.token_ids.numel()), t2 - t1)
+        if budget.max_depth:
+            budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
         stats.decode_forwards += 1
         stats.sample_steps += len(slots)
         stats.forward_tokens += int(step.token_ids.numel())
@@ -397,6 +423,26 @@ class Engine:
             outputs.append(CompletionOutput(sample.index, text, list(sample.output_ids), sample.cumulative_logprob,
                                             sample.finish_reason or "length", sample.logprobs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_ids, outputs)
+
+
+def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tuple[list[int], list[int]]:
+    """Per depth d: how many samples reached d - 1 with a draft child to try at d, and how many
+    accepted it (the statistics the draft budget learns from)."""
+    tried = [0] * (max_depth + 1)
+    kept = [0] * (max_depth + 1)
+    for tree, (path, _, _) in zip(trees, results):
+        if not tree.tokens:
+            continue
+        node = -1
+        for depth in range(1, max_depth + 1):
+            if node not in tree.parents:
+                break
+            tried[depth] += 1
+            if depth > len(path):
+                break
+            kept[depth] += 1
+            node = path[depth - 1]
+    return tried, kept
 
 
 def _cumsum(values: list[int]):

