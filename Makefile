@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/multispec gsm8k --questions 4 --n 8 --temperature 0.7 --max-tokens 256 --seed 0
+	$(VENV)/bin/multispec gsm8k --questions 4 --n 8 --temperature 0.7 --max-tokens 256 --seed 0 --drafter consensus --baseline
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15

@@ -28,10 +28,11 @@ def test_generate_prints_samples_and_progress(tmp_path):
 
 
 def test_gsm8k_job_votes_and_reports_speed():
-    result = run_cli("gsm8k", "--questions", "1", "--n", "2", "--max-tokens", "16", "--seed", "0")
+    result = run_cli("gsm8k", "--questions", "1", "--n", "2", "--max-tokens", "16", "--seed", "0",
+                     "--drafter", "consensus", "--baseline")
     assert result.returncode == 0, result.stderr
     assert "Q0: voted" in result.stdout and "reference 18" in result.stdout
-    assert "tokens/s" in result.stdout
+    assert "tokens/s" in result.stdout and "speedup" in result.stdout and "tau" in result.stdout
 
 
 def test_unreadable_prompts_file_is_one_line_error(tmp_path):

@@ -1,0 +1,135 @@
+"""Speculative multi-sample decoding on GSM8K: tau and wall-clock speedup per drafter, padded vs unpadded.
+
+Default model, GSM8K test questions in the chat template, max_tokens 256. Every ratio compares
+runs of one process on the same questions and seeds (drafter "none" is the same engine without
+drafts). Rows per cell:
+
+- none, consensus, consensus-first-match (aggregation off), ngram (prompt lookup): drafts of up to
+  ``--depth`` tokens every step (``adaptive=False``), so tau measures the drafter itself;
+- consensus-auto: the default, draft length chosen per step from measured cost and acceptance;
+- consensus-padded: the padded-batching ablation (n = 16 and 64).
+
+The headline cell (n = 16, temperature 0.7) is the median of ``--runs`` runs; others run once.
+
+    python benchmarks/bench_spec.py           # the full table and plot (about an hour here)
+    python benchmarks/bench_spec.py --quick   # a few-minute subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FULL_CELLS = [  # (questions, n, temperature, runs)
+    (8, 4, 0.7, 1), (8, 16, 0.7, 3), (4, 64, 0.7, 1), (8, 16, 1.0, 1)]
+QUICK_CELLS = [(2, 4, 0.7, 1), (2, 16, 0.7, 1)]
+
+
+def configs(depth: int, n: int):
+    from multispec import SpecConfig
+
+    fixed = dict(max_draft_tokens=depth, max_draft_nodes=depth, adaptive=False)
+    rows = [("none", SpecConfig(drafter="none")),
+            ("consensus", SpecConfig(drafter="consensus", **fixed)),
+            ("consensus-first-match", SpecConfig(drafter="consensus", aggregate=False, **fixed)),
+            ("ngram", SpecConfig(drafter="ngram", **fixed)),
+            ("consensus-auto", SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=depth))]
+    if n >= 16:
+        rows.append(("consensus-padded", SpecConfig(drafter="consensus", batching="padded", **fixed)))
+    return rows
+
+
+def run_cell(llm, questions: int, n: int, temperature: float, runs: int, max_tokens: int, depth: int):
+    from multispec import SamplingParams
+    from multispec.reasoning import load_gsm8k
+    from multispec.reasoning.gsm8k import INSTRUCTION
+
+    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}]
+                     for p in load_gsm8k(limit=questions)]
+    results = {}
+    for run in range(runs):
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
+        for label, spec in configs(depth, n):
+            llm.chat(conversations, params, spec, use_tqdm=False)
+            s = llm.last_stats
+            step_time = s.time_draft + s.time_forward + s.time_verify + s.time_commit
+            results.setdefault(label, []).append({
+                "tok_s": s.tokens_per_second, "tau": s.tau, "acceptance": s.acceptance_rate,
+                "forwards": s.decode_forwards, "tokens": s.generated_tokens,
+                "draft_share": s.time_draft / step_time if step_time else 0.0,
+                "forward_tokens_per_step": s.forward_tokens / max(s.decode_forwards, 1)})
+            print(f"  q={questions} n={n} T={temperature} run {run} {label:<22} {s.tokens_per_second:7.1f} tok/s "
+                  f"tau {s.tau:.2f}", file=sys.stderr)
+    summary = {}
+    for label, rows in results.items():
+        summary[label] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        summary[label]["runs"] = len(rows)
+        # Speedup per run against that run's own plain decoding, then the median.
+        summary[label]["speedup"] = statistics.median(
+            r["tok_s"] / base["tok_s"] for r, base in zip(rows, results["none"]))
+    return summary
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in table if c["temperature"] == 0.7]
+    labels = [label for label in cells[0]["rows"] if label != "none"]
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in labels:
+        ns = [c["n"] for c in cells if label in c["rows"]]
+        ax_tau.plot(ns, [c["rows"][label]["tau"] for c in cells if label in c["rows"]], marker="o", label=label)
+        ax_speed.plot(ns, [c["rows"][label]["speedup"] for c in cells if label in c["rows"]], marker="o", label=label)
+    for ax, title in ((ax_tau, "tau (tokens per forward per sample)"), (ax_speed, "wall-clock speedup over plain")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("samples per question (n)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    ax_tau.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, GSM8K, temperature 0.7, max_tokens 256 (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=4, help="draft tokens per sample per step")
+    parser.add_argument("--out", default=str(ROOT / "results" / "bench_spec.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "spec_speedup.png"))
+    args = parser.parse_args()
+    from multispec import LLM
+
+    llm = LLM()
+    cells = QUICK_CELLS if args.quick else FULL_CELLS
+    max_tokens = 128 if args.quick else args.max_tokens
+    table = []
+    for questions, n, temperature, runs in cells:
+        rows = run_cell(llm, questions, n, temperature, runs, max_tokens, args.depth)
+        table.append({"questions": questions, "n": n, "temperature": temperature, "rows": rows})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(table, indent=1))
+    if not args.quick:
+        plot(table, Path(args.plot))
+    print(f"max_tokens {max_tokens}, draft depth {args.depth}; speedup = tokens/s over drafter none in the same run\n")
+    print("| questions x n | T | drafter | tau | acceptance | tok/s | speedup | draft share of step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for cell in table:
+        for label, r in cell["rows"].items():
+            print(f"| {cell['questions']} x {cell['n']} | {cell['temperature']} | {label} | {r['tau']:.2f} | "
+                  f"{r['acceptance']:.1%} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

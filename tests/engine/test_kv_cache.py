@@ -1,0 +1,65 @@
+"""The cache's bookkeeping: commit of tree paths in place, slot moves, and the memory plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multispec.engine.kv_cache import CacheShape, KVCache, kv_bytes_per_token
+from multispec.engine.llm_engine import Engine, EngineConfig
+from multispec.models.config import ModelConfig
+from multispec.params import SamplingParams, SpecConfig
+
+CONFIG = ModelConfig.from_hf_dict(dict(
+    architectures=["LlamaForCausalLM"], vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
+
+
+def labelled_cache() -> KVCache:
+    cache = KVCache(CONFIG, CacheShape(3, 10, 1, 4), torch.float32)
+    positions = torch.arange(10, dtype=torch.float32)
+    slots = torch.arange(3, dtype=torch.float32)[:, None] * 100
+    cache.sample_k[:] = (slots + positions)[None, :, None, :, None]
+    cache.sample_v[:] = -(slots + positions)[None, :, None, :, None]
+    return cache
+
+
+def test_keep_paths_moves_accepted_nodes_into_place_for_every_layer():
+    cache = labelled_cache()
+    # Slot 1 accepted nodes at cache positions 6 and 8 -> they become positions 4 and 5.
+    cache.keep_paths(torch.tensor([1, 1]), torch.tensor([6, 8]), torch.tensor([4, 5]))
+    assert cache.sample_k[:, 1, :, 4, 0].eq(106).all() and cache.sample_k[:, 1, :, 5, 0].eq(108).all()
+    assert cache.sample_v[:, 1, :, 4, 0].eq(-106).all() and cache.sample_v[:, 1, :, 5, 0].eq(-108).all()
+    # Untouched: other positions and other slots.
+    assert cache.sample_k[:, 1, :, 3, 0].eq(103).all() and cache.sample_k[:, 0, :, 4, 0].eq(4).all()
+
+
+def test_move_sample_copies_only_the_used_prefix():
+    cache = labelled_cache()
+    cache.move_sample(2, 0, length=5)
+    assert cache.sample_k[:, 0, :, :5, 0].eq(torch.arange(200, 205, dtype=torch.float32)).all()
+    assert cache.sample_k[:, 0, :, 5, 0].eq(5).all()
+
+
+def test_plan_refuses_before_allocating_and_shrinks_to_queue():
+    engine = Engine.__new__(Engine)  # plan_cache needs only the config, dtype and model config
+    engine.config = EngineConfig(max_model_len=512, kv_cache_bytes=0)
+    engine.dtype = torch.float32
+    engine.model = type("M", (), {"config": CONFIG})()
+    per_token = kv_bytes_per_token(CONFIG, torch.float32)
+
+    class R:  # the fields plan_cache reads
+        def __init__(self, n, prompt, max_tokens):
+            self.params, self.prompt_len, self.max_tokens = SamplingParams(n=n), prompt, max_tokens
+
+    requests = [R(4, 10, 20) for _ in range(6)]
+    one = 4 * (20 + 1) + 10
+    engine.config.kv_cache_bytes = per_token * (one - 1)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        engine.plan_cache(requests, SpecConfig())
+    engine.config.kv_cache_bytes = per_token * one * 2
+    shape = engine.plan_cache(requests, SpecConfig())
+    assert shape.tokens() * per_token <= engine.config.kv_cache_bytes
+    assert 4 <= shape.sample_slots < 24 and shape.prompt_slots >= 1
+    engine.config.kv_cache_bytes = per_token * one * 100
+    assert engine.plan_cache(requests, SpecConfig()).sample_slots == 24
