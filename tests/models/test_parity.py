@@ -68,6 +68,18 @@ def test_tiny_models_match_transformers(case):
     check_model(hf, ours, ids[:60], ids[60:])
 
 
+def assert_nodes_match_paths(hf, rows, histories, trees):
+    """Row j + 1 of sample b (row 0: its root) equals the last logits of history + root-to-node path."""
+    for b, (tokens, parents) in enumerate(trees):
+        for j in range(-1, len(tokens)):
+            path, node = [], j
+            while node != -1:
+                path.append(tokens[node])
+                node = parents[node]
+            want = hf_logits(hf, histories[b] + path[::-1])[-1]
+            assert (rows[b][j + 1] - want).abs().max() < TOL, (b, j)
+
+
 def test_tree_matches_paths():
     """Every node of a packed tree gets the logits of its root-to-node path run as a plain sequence."""
     hf, ours = tiny("llama")
@@ -85,15 +97,7 @@ def test_tree_matches_paths():
             step(ours, cache, [own[b][i] for b in active], [([], [])] * len(active), [i] * len(active),
                  [0] * len(active), [20] * len(active))
         rows = step(ours, cache, roots, trees, [len(t) for t in own], [0, 0], [20, 20])
-    for b, (tokens, parents) in enumerate(trees):
-        history = prompt + own[b] + [roots[b]]
-        for j in range(-1, len(tokens)):
-            path, node = [], j
-            while node != -1:
-                path.append(tokens[node])
-                node = parents[node]
-            want = hf_logits(hf, history + path[::-1])[-1]
-            assert (rows[b][j + 1] - want).abs().max() < TOL, (b, j)
+    assert_nodes_match_paths(hf, rows, [prompt + own[b] + [roots[b]] for b in range(2)], trees)
 
 
 def test_default_model_matches_transformers(default_checkpoint, hf_default_model):
@@ -128,12 +132,5 @@ def test_samples_of_several_prompts_in_one_step():
             step(ours, cache, [own[b][i] if i < len(own[b]) else 0 for b in range(3)], [([], [])] * 3,
                  [min(i, len(own[b])) for b in range(3)], sample_prompt, lens)
         rows = step(ours, cache, roots, trees, [len(t) for t in own], sample_prompt, lens)
-    for b, (tokens, parents) in enumerate(trees):
-        history = prompts[sample_prompt[b]] + own[b] + [roots[b]]
-        for j in range(-1, len(tokens)):
-            path, node = [], j
-            while node != -1:
-                path.append(tokens[node])
-                node = parents[node]
-            want = hf_logits(hf, history + path[::-1])[-1]
-            assert (rows[b][j + 1] - want).abs().max() < TOL, (b, j)
+    histories = [prompts[sample_prompt[b]] + own[b] + [roots[b]] for b in range(3)]
+    assert_nodes_match_paths(hf, rows, histories, trees)
