@@ -75,7 +75,7 @@ def run_cell(llm, questions: int, n: int, temperature: float, runs: int, max_tok
     return summary
 
 
-def plot(table: list[dict], path: Path) -> None:
+def plot(table: list[dict], path: Path, subtitle: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +95,7 @@ def plot(table: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     ax_tau.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct, GSM8K, temperature 0.7, max_tokens 256 (CPU)")
+    fig.suptitle(f"SmolLM2-135M-Instruct, GSM8K, temperature 0.7, {subtitle} (CPU)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -107,21 +107,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--depth", type=int, default=4, help="draft tokens per sample per step")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_spec.json"))
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "spec_speedup.png"))
+    parser.add_argument("--plot", help="PNG path (default docs/spec_speedup.png, or docs/spec_speedup_quick.png)")
+    parser.add_argument("--from-json", help="only redraw the table and plot from a saved result file")
     args = parser.parse_args()
-    from multispec import LLM
-
-    llm = LLM()
     cells = QUICK_CELLS if args.quick else FULL_CELLS
     max_tokens = 128 if args.quick else args.max_tokens
-    table = []
-    for questions, n, temperature, runs in cells:
-        rows = run_cell(llm, questions, n, temperature, runs, max_tokens, args.depth)
-        table.append({"questions": questions, "n": n, "temperature": temperature, "rows": rows})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=1))
-    if not args.quick:
-        plot(table, Path(args.plot))
+    if args.from_json:
+        table = json.loads(Path(args.from_json).read_text())
+    else:
+        from multispec import LLM
+
+        llm = LLM()
+        table = []
+        for questions, n, temperature, runs in cells:
+            rows = run_cell(llm, questions, n, temperature, runs, max_tokens, args.depth)
+            table.append({"questions": questions, "n": n, "temperature": temperature, "rows": rows})
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(table, indent=1))
+    default_plot = "spec_speedup_quick.png" if args.quick else "spec_speedup.png"
+    subtitle = f"{'quick subset, ' if args.quick else ''}max_tokens {max_tokens}"
+    plot(table, Path(args.plot or ROOT / "docs" / default_plot), subtitle)
     print(f"max_tokens {max_tokens}, draft depth {args.depth}; speedup = tokens/s over drafter none in the same run\n")
     print("| questions x n | T | drafter | tau | acceptance | tok/s | speedup | draft share of step |")
     print("|---|---|---|---|---|---|---|---|")
