@@ -183,8 +183,13 @@ class DecodeAttention:
         pad = torch.arange(self.prompt_len)[None, :] >= torch.tensor([length_of[s] for s in distinct])[:, None]
         self.prompt_bias = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
         self.prompt_bias.masked_fill_(pad[:, None, None, :], float("-inf"))
-        # One prompt whose samples fill slots 0..B-1 in order: no scatter needed.
+        # One prompt for all samples, or one sample per prompt: queries already have the
+        # prompt-major layout, so no scatter or gather is needed.
         self.single = len(distinct) == 1
+        self.one_each = not self.single and self.group_size == 1
+        if self.one_each:
+            self.group_slots = torch.tensor(slots)
+            self.prompt_bias = self.prompt_bias[self.sample_group]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -197,8 +202,11 @@ class DecodeAttention:
         cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
 
         scale = dim ** -0.5
-        q_pad = q.new_zeros(batch, qmax, heads, dim)
-        q_pad[self.row_sample, self.row_index] = q * scale
+        if qmax == 1:  # plain decoding: one token per sample, already in slot order
+            q_pad = (q * scale).view(batch, 1, heads, dim)
+        else:
+            q_pad = q.new_zeros(batch, qmax, heads, dim)
+            q_pad[self.row_sample, self.row_index] = q * scale
         # [B, kv_heads, group * Qmax, D]: query heads that share a kv head become extra rows.
         q_rows = q_pad.view(batch, qmax, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
             batch, kv_heads, rows, dim)
@@ -220,6 +228,10 @@ class DecodeAttention:
             pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
             pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
             qg = q_rows.transpose(0, 1).reshape(1, kv_heads, batch * rows, dim)
+        elif self.one_each:
+            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
+            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
+            qg = q_rows
         else:
             pk = cache.prompt_k[layer, self.group_slots, :, :plen]
             pv = cache.prompt_v[layer, self.group_slots, :, :plen]
@@ -233,6 +245,8 @@ class DecodeAttention:
         pre_out = pre_exp @ pv
 
         def per_sample(x):
+            if self.one_each:
+                return x
             x = x.view(x.shape[0], kv_heads, -1, rows, x.shape[-1]).transpose(1, 2)  # [P, m, kvh, G*Q, .]
             if self.single:
                 return x[0]
@@ -243,4 +257,4 @@ class DecodeAttention:
         w_pre, w_own = torch.exp(pre_max - top), torch.exp(own_max - top)
         out = (pre_out * w_pre + own_out * w_own) / (pre_sum * w_pre + own_sum * w_own)
         out = out.view(batch, kv_heads, group, qmax, dim).permute(0, 3, 1, 2, 4).reshape(batch, qmax, heads, dim)
-        return out[self.row_sample, self.row_index]
+        return out.view(batch, heads, dim) if qmax == 1 else out[self.row_sample, self.row_index]

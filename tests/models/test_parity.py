@@ -111,19 +111,19 @@ def test_default_model_matches_transformers(default_checkpoint, hf_default_model
     check_model(hf_default_model, ours, ids[:50], ids[50:58])
 
 
-def test_samples_of_several_prompts_in_one_step():
-    """Three samples of two prompts of different lengths, slots interleaved, each with its own
-    history and tree: every node's logits equal the plain sequence's."""
+@pytest.mark.parametrize("sample_prompt", [[1, 0, 1], [2, 0, 1]])
+def test_samples_of_several_prompts_in_one_step(sample_prompt):
+    """Three samples of two or three prompts of different lengths, slots interleaved, each with
+    its own history and tree: every node's logits equal the plain sequence's."""
     hf, ours = tiny("llama")
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 29)]
-    sample_prompt = [1, 0, 1]
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 29, 23)]
     own = [[4, 5], [6], [7, 8, 9]]
     roots = [10, 11, 12]
     trees = [([40, 41], [-1, 0]), ([], []), ([50, 51, 52], [-1, -1, 0])]
     lens = [len(prompts[p]) for p in sample_prompt]
     with torch.inference_mode():
-        cache = new_cache(ours, samples=3, prompts=2)
+        cache = new_cache(ours, samples=3, prompts=3)
         for slot, prompt in enumerate(prompts):
             prefill(ours, cache, prompt, slot=slot)
         for i in range(3):
