@@ -11,8 +11,10 @@ engine measures both sides as it runs instead of assuming either:
 - the chance that a draft token at depth d is accepted given its parent was, per depth.
 
 Each step it picks the per-sample draft length L in [0, max] that maximises
-``(B + B * E[accepted | L]) / cost(B * (1 + L))``. While the line is not identified yet (all
-steps had one size) it alternates between no draft and the longest draft to learn both ends.
+``(B + B * E[accepted | L]) / cost(B * (1 + L))``. The cost samples belong to the engine and
+outlive a call (they describe the machine and the model, plain steps included); while the line
+is not identified yet (all steps had one size) it alternates between no draft and a one-token
+draft, the cheapest probe.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from collections import deque
 
 
 class DraftBudget:
-    def __init__(self, max_depth: int, window: int = 64):
+    def __init__(self, max_depth: int, samples: deque[tuple[int, float]] | None = None):
         self.max_depth = max_depth
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples = samples if samples is not None else deque(maxlen=256)
         # Pseudo-counts: a prior of 50% acceptance per depth, worth two observations.
         self.tried = [2.0] * (max_depth + 1)
         self.kept = [1.0] * (max_depth + 1)
@@ -63,7 +65,7 @@ class DraftBudget:
             return 0
         line = self.cost_line()
         if line is None:
-            return self.max_depth if self.steps % 2 else 0
+            return 1 if self.steps % 2 else 0
         fixed, per_token = line
         best, best_rate = 0, 0.0
         for length in range(self.max_depth + 1):

@@ -57,6 +57,8 @@ class Engine:
         self.dtype = model.output_weight().dtype
         self.device = model.output_weight().device
         self.vocab_size = model.config.vocab_size
+        # (tokens, seconds) of recent decode forwards: the draft budget's cost model.
+        self.forward_costs: deque[tuple[int, float]] = deque(maxlen=256)
 
     # ------------------------------------------------------------------ requests and memory
     def make_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
@@ -137,7 +139,7 @@ class Engine:
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
         draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
-        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0)
+        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0, self.forward_costs)
         waiting = deque(requests)
         slots: list[Sample] = []
         next_sample_id = 0
