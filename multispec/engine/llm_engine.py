@@ -180,13 +180,13 @@ class Engine:
         last_rows = torch.tensor(list(_cumsum([r.prompt_len for r in requests])), device=self.device) - 1
         attention = PrefillAttention(cache, [(r.prompt_slot, r.prompt_len) for r in requests])
         logits = self.model(token_ids, positions, attention, logit_rows=last_rows)
-        probs = target_probs(logits, *self._params_rows([r for r in requests]))
-        logsumexp = torch.logsumexp(logits, -1)
+        probs = target_probs(logits, *self._params_rows(requests))
+        logprobs = torch.log_softmax(logits, -1)
         samples = []
         for row, request in enumerate(requests):
             first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
             for sample, token in zip(request.samples, first.tolist()):
-                self._append(sample, [token], logits[row:row + 1], logsumexp[row:row + 1])
+                self._append(sample, [token], [float(logprobs[row, token])], logprobs[row:row + 1])
                 samples.append(sample)
             request.unfinished = request.params.n
         stats.prefill_forwards += 1
@@ -297,10 +297,7 @@ class Engine:
             whole = len(members) == len(step.samples) and rows.numel() == logits.shape[0]
             row_logits = logits if whole else logits[rows]
             sp = request.params
-            n_rows = row_logits.shape[0]
-            probs = target_probs(row_logits, torch.full((n_rows,), float(sp.temperature)),
-                                 torch.full((n_rows,), sp.top_k, dtype=torch.long),
-                                 torch.full((n_rows,), float(sp.top_p)))
+            probs = target_probs(row_logits, *self._params_rows([request] * row_logits.shape[0]))
             trees = [step.trees[b] for b in members]
             node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long)
             node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long)
@@ -333,15 +330,24 @@ class Engine:
         Padded ablation: every sample's slot advances by the batch's longest acceptance, the
         entries past its own acceptance stay behind as masked filler.
         """
+        # Log-probabilities of every appended token in one gather: rows of the packed batch.
+        appended = []
+        for b, sample in enumerate(step.samples):
+            path, bonus, _ = results[b]
+            tokens = [step.trees[b].tokens[j] for j in path] + [bonus]
+            rows = [0] + [1 + j for j in path]
+            appended.append((tokens, rows))
+        flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(appended) for r in rows])
+        flat_tokens = torch.tensor([t for tokens, _ in appended for t in tokens])
         logsumexp = torch.logsumexp(logits, -1)
+        token_logprobs = (logits[flat_rows, flat_tokens] - logsumexp[flat_rows]).tolist()
         move_slots, move_src, move_dst = [], [], []
         gained = 0
+        offset = 0
         advance = 1 + max(len(r[0]) for r in results)
         for b, sample in enumerate(step.samples):
-            path, bonus, probs = results[b]
-            tree = step.trees[b]
-            tokens = [tree.tokens[j] for j in path] + [bonus]
-            rows = [0] + [1 + j for j in path]
+            path, _, probs = results[b]
+            tokens, rows = appended[b]
             stats.accepted_tokens += len(path)
             for k, j in enumerate(path):
                 if j != k:
@@ -356,10 +362,14 @@ class Engine:
                 sample.written += advance
             else:
                 sample.written = sample.cached
-            base = step.row_offsets[b]
-            row_index = torch.tensor([base + r for r in rows])
+            lps = token_logprobs[offset: offset + len(tokens)]
+            top_rows = None
+            if sample.request.params.logprobs:
+                top_rows = logits[flat_rows[offset: offset + len(tokens)]]
+                top_rows = top_rows - logsumexp[flat_rows[offset: offset + len(tokens)], None]
+            offset += len(tokens)
             before = len(sample.output_ids)
-            self._append(sample, tokens, logits[row_index], logsumexp[row_index])
+            self._append(sample, tokens, lps, top_rows)
             added = len(sample.output_ids) - before
             gained += added
             drafter.observe(sample.sample_id, tokens[:added], token_probs[:added])
@@ -367,8 +377,12 @@ class Engine:
                          torch.tensor(move_dst, dtype=torch.long))
         return gained
 
-    def _append(self, sample: Sample, tokens: list[int], logits: torch.Tensor, logsumexp: torch.Tensor) -> None:
-        """Add tokens up to the first stop condition, with their log-probabilities."""
+    def _append(self, sample: Sample, tokens: list[int], token_logprobs: list[float],
+                logprob_rows: torch.Tensor | None) -> None:
+        """Add tokens up to the first stop condition, with their log-probabilities.
+
+        ``logprob_rows`` (log-softmax rows at the tokens' positions) is needed only when the
+        request asks for top log-probabilities."""
         request = sample.request
         sp = request.params
         take = tokens[: sample.remaining]
@@ -377,17 +391,16 @@ class Engine:
                 take = take[: i + 1]
                 sample.finish_reason = "stop"
                 break
-        chosen = torch.tensor(take, dtype=torch.long)
-        lp = logits[: len(take)].gather(1, chosen[:, None]).squeeze(1) - logsumexp[: len(take)]
-        sample.cumulative_logprob += float(lp.sum())
+        lp = token_logprobs[: len(take)]
+        sample.cumulative_logprob += sum(lp)
         if sp.logprobs is not None:
             sample.logprobs = sample.logprobs or []
-            top = logits[: len(take)].topk(sp.logprobs, dim=-1) if sp.logprobs else None
+            top = logprob_rows[: len(take)].topk(sp.logprobs, dim=-1) if sp.logprobs else None
             for i, token in enumerate(take):
-                entry = {token: float(lp[i])}
+                entry = {token: lp[i]}
                 if top is not None:
-                    for value, index in zip(top.values[i].tolist(), top.indices[i].tolist()):
-                        entry[index] = value - float(logsumexp[i])
+                    entry.update(zip(top.indices[i].tolist(), top.values[i].tolist()))
+                    entry[token] = lp[i]
                 sample.logprobs.append(entry)
         sample.output_ids.extend(take)
         if sp.stop and sample.finish_reason is None:
