@@ -131,45 +131,94 @@ class StepLayout:
 
 
 class DecodeAttention:
-    """Attention of packed sample tokens (roots plus draft trees) over prompt and own caches."""
+    """Attention of packed sample tokens (roots plus draft trees) over prompt and own caches.
+
+    Attention batches a sample's query rows as a block, so samples whose drafts differ in size
+    are padded to a common number of rows. To keep that padding from growing with the deepest
+    draft, the step is split in two parts when only some samples draft: every sample's root row
+    (one row each, read in place from the cache), and the draft rows of the drafting samples only
+    (their caches gathered). When every sample drafts, one part holds all rows.
+    """
 
     def __init__(self, cache: KVCache, layout: StepLayout):
         self.cache = cache
-        batch = layout.counts.numel()
-        qmax = int(layout.counts.max())
-        self.batch, self.qmax = batch, qmax
         counts = layout.counts
-        total = int(counts.sum())
+        batch, total = counts.numel(), int(counts.sum())
+        self.batch, self.qmax, self.total = batch, int(counts.max()), total
         offsets = torch.cumsum(counts, 0) - counts
-        self.row_sample = torch.repeat_interleave(torch.arange(batch), counts)
-        self.row_index = torch.arange(total) - offsets[self.row_sample]
-        self.row_cache_pos = layout.written[self.row_sample] + self.row_index
-        self.key_len = int((layout.written + counts).max())
+        row_sample = torch.repeat_interleave(torch.arange(batch), counts)
+        row_index = torch.arange(total) - offsets[row_sample]
+        self.row_sample = row_sample
+        self.row_cache_pos = layout.written[row_sample] + row_index
+        drafting = torch.nonzero(counts > 1).flatten()
+        if 0 < drafting.numel() < batch:
+            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=True),
+                          _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, contiguous=False)]
+        else:
+            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, contiguous=True)]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
+        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
+        q = q * q.shape[-1] ** -0.5
+        if len(self.parts) == 1:
+            return self.parts[0].attend(layer, q)
+        out = q.new_empty(q.shape)
+        for part in self.parts:
+            out[part.rows] = part.attend(layer, q)
+        return out
+
+
+class _Part:
+    """Query rows ``first .. first + width - 1`` of each of some samples, attended as one batch.
+
+    Rows past a sample's own count are padding: they see key 0 only (a finite softmax) and are
+    dropped. ``contiguous``: the members are samples 0..B-1, whose caches are read in place.
+    """
+
+    def __init__(self, cache: KVCache, layout: StepLayout, offsets: torch.Tensor, members: torch.Tensor,
+                 first: int, width: int, contiguous: bool):
+        self.cache = cache
+        self.contiguous = contiguous
+        self.members = members
+        size = members.numel()
+        self.size, self.width = size, width
+        counts = layout.counts[members]
+        written = layout.written[members]
+        # Which (member, row) pairs are real, and where they sit in the packed step.
+        index = torch.arange(width)[None, :] + first
+        real = index < counts[:, None]
+        self.member_of, self.index_of = torch.nonzero(real, as_tuple=True)
+        self.rows = offsets[members][self.member_of] + first + self.index_of
+        self.full = bool(real.all())  # no padding rows
+        # Rows are exactly 0..T-1 in order: the part holds every row of the step, unpadded.
+        self.dense = self.full and contiguous and first == 0 and int(counts.sum()) == size * width
+        self.key_len = int((written + counts).max())
 
         # Own-cache mask: every cached key, plus the new tokens that are ancestors-or-self.
         key_pos = torch.arange(self.key_len)
-        rel = key_pos[None, :] - layout.written[:, None]                     # [B, K]
+        rel = key_pos[None, :] - written[:, None]                           # [P, K]
         old = rel < 0
         if cache.valid is not None:
-            old = old & cache.valid[:batch, : self.key_len]
+            old = old & cache.valid[members, : self.key_len]
         new = (rel >= 0) & (rel < counts[:, None])
-        rel_clamped = rel.clamp(0, qmax - 1)
-        tree = torch.gather(layout.tree_mask, 2, rel_clamped[:, None, :].expand(batch, qmax, self.key_len))
-        visible = old[:, None, :] | (new[:, None, :] & tree)                 # [B, Qmax, K]
-        # Padding query rows see key 0 only, which keeps their softmax finite; they are dropped.
-        pad_rows = torch.arange(qmax)[None, :] >= counts[:, None]
-        visible[:, :, 0] |= pad_rows
+        rel_clamped = rel.clamp(0, layout.tree_mask.shape[1] - 1)
+        tree = layout.tree_mask[members][:, first: first + width]           # [P, W, Qmax]
+        tree = torch.gather(tree, 2, rel_clamped[:, None, :].expand(size, width, self.key_len))
+        visible = old[:, None, :] | (new[:, None, :] & tree)                # [P, W, K]
+        visible[:, :, 0] |= ~real
         self.bias = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
         self.bias.masked_fill_(~visible, float("-inf"))
 
-        # Samples grouped by prompt slot: each prompt's keys are read once for all its samples.
+        # Members grouped by prompt slot: each prompt's keys are read once for all its samples.
         # Queries are laid out [prompt, member, ...] (padded to the largest group) so every
         # prompt is handled by one batched matmul, however many prompts share the step.
-        slots = layout.prompt_slot.tolist()
-        lengths = layout.prompt_len.tolist()
+        slots = layout.prompt_slot[members].tolist()
+        lengths = layout.prompt_len[members].tolist()
         distinct = sorted(set(slots))
         group_of = {slot: g for g, slot in enumerate(distinct)}
-        member = [0] * batch
+        member = [0] * size
         seen = [0] * len(distinct)
         for b, slot in enumerate(slots):
             member[b] = seen[group_of[slot]]
@@ -183,7 +232,7 @@ class DecodeAttention:
         pad = torch.arange(self.prompt_len)[None, :] >= torch.tensor([length_of[s] for s in distinct])[:, None]
         self.prompt_bias = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
         self.prompt_bias.masked_fill_(pad[:, None, None, :], float("-inf"))
-        # One prompt for all samples, or one sample per prompt: queries already have the
+        # One prompt for all members, or one member per prompt: queries already have the
         # prompt-major layout, so no scatter or gather is needed.
         self.single = len(distinct) == 1
         self.one_each = not self.single and self.group_size == 1
@@ -191,43 +240,46 @@ class DecodeAttention:
             self.group_slots = torch.tensor(slots)
             self.prompt_bias = self.prompt_bias[self.sample_group]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention output of this part's real rows, in the order of ``rows``; q is pre-scaled."""
         cache = self.cache
         heads, dim = q.shape[1], q.shape[2]
-        kv_heads = k.shape[1]
+        kv_heads = cache.sample_k.shape[2]
         group = heads // kv_heads
-        batch, qmax = self.batch, self.qmax
-        rows = group * qmax
-        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
-        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
-
-        scale = dim ** -0.5
-        if qmax == 1:  # plain decoding: one token per sample, already in slot order
-            q_pad = (q * scale).view(batch, 1, heads, dim)
+        size, width = self.size, self.width
+        rows = group * width
+        if self.dense:
+            q_pad = q.view(size, width, heads, dim)
+        elif self.full:
+            q_pad = q[self.rows].view(size, width, heads, dim)
         else:
-            q_pad = q.new_zeros(batch, qmax, heads, dim)
-            q_pad[self.row_sample, self.row_index] = q * scale
-        # [B, kv_heads, group * Qmax, D]: query heads that share a kv head become extra rows.
-        q_rows = q_pad.view(batch, qmax, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
-            batch, kv_heads, rows, dim)
+            q_pad = q.new_zeros(size, width, heads, dim)
+            q_pad[self.member_of, self.index_of] = q[self.rows]
+        # [P, kv_heads, group * W, D]: query heads that share a kv head become extra rows.
+        q_rows = q_pad.view(size, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
+            size, kv_heads, rows, dim)
 
-        own_k = cache.sample_k[layer, :batch, :, : self.key_len]
-        own_v = cache.sample_v[layer, :batch, :, : self.key_len]
-        own_scores = q_rows @ own_k.transpose(-1, -2)                          # [B, kvh, G*Q, K]
-        own_scores = own_scores.view(batch, kv_heads, group, qmax, self.key_len) + self.bias[:, None, None]
-        own_scores = own_scores.view(batch, kv_heads, rows, self.key_len)
+        if self.contiguous:
+            own_k = cache.sample_k[layer, :size, :, : self.key_len]
+            own_v = cache.sample_v[layer, :size, :, : self.key_len]
+        else:
+            own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
+            own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
+        own_scores = q_rows @ own_k.transpose(-1, -2)                          # [P, kvh, G*W, K]
+        own_scores = own_scores.view(size, kv_heads, group, width, self.key_len) + self.bias[:, None, None]
+        own_scores = own_scores.view(size, kv_heads, rows, self.key_len)
         own_max = own_scores.amax(-1, keepdim=True)
         own_exp = torch.exp(own_scores - own_max)
         own_sum = own_exp.sum(-1, keepdim=True)
-        own_out = own_exp @ own_v                                              # [B, kvh, G*Q, D]
+        own_out = own_exp @ own_v                                              # [P, kvh, G*W, D]
 
-        # Prompt half: [prompts, kvh, members * G*Q, D] against each prompt's keys.
+        # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.
         plen = self.prompt_len
         if self.single:
             slot = int(self.group_slots[0])
             pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
             pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
-            qg = q_rows.transpose(0, 1).reshape(1, kv_heads, batch * rows, dim)
+            qg = q_rows.transpose(0, 1).reshape(1, kv_heads, size * rows, dim)
         elif self.one_each:
             pk = cache.prompt_k[layer, self.group_slots, :, :plen]
             pv = cache.prompt_v[layer, self.group_slots, :, :plen]
@@ -238,23 +290,23 @@ class DecodeAttention:
             qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
             qg[self.sample_group, self.sample_member] = q_rows
             qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)
-        scores = qg @ pk.transpose(-1, -2) + self.prompt_bias                  # [P, kvh, m*G*Q, L]
+        scores = qg @ pk.transpose(-1, -2) + self.prompt_bias                  # [G, kvh, m*G*W, L]
         pre_max = scores.amax(-1, keepdim=True)
         pre_exp = torch.exp(scores - pre_max)
         pre_sum = pre_exp.sum(-1, keepdim=True)
         pre_out = pre_exp @ pv
 
-        def per_sample(x):
+        def per_member(x):
             if self.one_each:
                 return x
-            x = x.view(x.shape[0], kv_heads, -1, rows, x.shape[-1]).transpose(1, 2)  # [P, m, kvh, G*Q, .]
+            x = x.view(x.shape[0], kv_heads, -1, rows, x.shape[-1]).transpose(1, 2)  # [G, m, kvh, G*W, .]
             if self.single:
                 return x[0]
             return x[self.sample_group, self.sample_member]
 
-        pre_max, pre_sum, pre_out = per_sample(pre_max), per_sample(pre_sum), per_sample(pre_out)
+        pre_max, pre_sum, pre_out = per_member(pre_max), per_member(pre_sum), per_member(pre_out)
         top = torch.maximum(pre_max, own_max)
         w_pre, w_own = torch.exp(pre_max - top), torch.exp(own_max - top)
         out = (pre_out * w_pre + own_out * w_own) / (pre_sum * w_pre + own_sum * w_own)
-        out = out.view(batch, kv_heads, group, qmax, dim).permute(0, 3, 1, 2, 4).reshape(batch, qmax, heads, dim)
-        return out.view(batch, heads, dim) if qmax == 1 else out[self.row_sample, self.row_index]
+        out = out.view(size, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(size, width, heads, dim)
+        return out.reshape(size * width, heads, dim) if self.full else out[self.member_of, self.index_of]
