@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -17,11 +17,19 @@ class DraftTree:
     ``q[i]`` is the distribution node i's token was drawn from given its parent; siblings drawn
     i.i.d. from one distribution share equal rows. ``q`` is None for deterministic drafts, which
     the verifier checks by sampling from the target and matching children.
+
+    Deterministic drafts may say how much they trust each node: ``confidence[i]`` is the
+    drafter's estimate of the target's probability of node i's token given its parent's path
+    (in [0, 1]) and ``evidence[i]`` the longest context match behind it. The engine calibrates
+    both against what verification accepts and keeps only the nodes that pay for their place in
+    the forward (see ``multispec.engine.budget``).
     """
 
     tokens: list[int]
     parents: list[int]
     q: torch.Tensor | None
+    confidence: list[float] | None = field(default=None, compare=False)
+    evidence: list[int] | None = field(default=None, compare=False)
     EMPTY: ClassVar[DraftTree]
 
     def __len__(self) -> int:
@@ -33,6 +41,19 @@ class DraftTree:
         for parent in self.parents:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return depths
+
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The nodes ``keep`` (ascending local indexes, closed under parents), re-indexed."""
+        if len(keep) == len(self.tokens):
+            return self
+        if not keep:
+            return DraftTree.EMPTY
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([self.tokens[i] for i in keep],
+                         [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep],
+                         None if self.q is None else self.q[keep],
+                         None if self.confidence is None else [self.confidence[i] for i in keep],
+                         None if self.evidence is None else [self.evidence[i] for i in keep])
 
 
 DraftTree.EMPTY = DraftTree([], [], None)

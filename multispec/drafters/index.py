@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+UNKNOWN = -1.0
+"""Stands for a probability that was never computed."""
+
 Occurrence = tuple["Text", int]
 """A source and the end position of an n-gram in it: its continuation starts at that position."""
 
 
 @dataclass(eq=False)
 class Text:
-    """A growing token sequence, with the target's probability of each token (1.0 where unknown).
+    """A growing token sequence, with the target's probability of each token (``UNKNOWN`` where
+    not computed: prompts, and tokens appended without probabilities).
 
     Compared and hashed by identity, so a lookup can tell sources apart cheaply.
     """
@@ -25,13 +29,13 @@ class Text:
 
     def __post_init__(self) -> None:
         if not self.probs:
-            self.probs = [1.0] * len(self.tokens)
+            self.probs = [UNKNOWN] * len(self.tokens)
 
     def extend(self, tokens: list[int], probs: list[float] | None) -> None:
         if probs is not None and len(probs) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens but {len(probs)} probabilities")
         self.tokens.extend(tokens)
-        self.probs.extend(probs if probs is not None else [1.0] * len(tokens))
+        self.probs.extend(probs if probs is not None else [UNKNOWN] * len(tokens))
 
 
 class NgramIndex:

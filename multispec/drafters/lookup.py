@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from multispec.drafters.index import NgramIndex, Text
 
-Continuation = tuple[list[int], list[float], float]
-"""Tokens that followed a match, the target's probabilities of those tokens, and the vote weight."""
+Continuation = tuple[list[int], list[float], float, int]
+"""Tokens that followed a match, the target's probabilities of those tokens, the vote weight, and
+the length of the match."""
 
 LENGTH_DECAY = 0.25
 """Weight ratio of an (n-1)-gram match to an n-gram match: a longer shared context is stronger
@@ -38,7 +39,7 @@ def find_continuations(text: Text, indexes: list[NgramIndex], depth: int, first_
                 if source in voted or end >= len(source.tokens):
                     continue
                 stop = end + depth
-                votes.append((source.tokens[end:stop], source.probs[end:stop], weight))
+                votes.append((source.tokens[end:stop], source.probs[end:stop], weight, n))
                 if first_only or len(votes) == max_votes:
                     return votes
                 voted.add(source)

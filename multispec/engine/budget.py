@@ -6,33 +6,154 @@ nothing and long drafts pay; where it is compute-bound (large batches on a CPU) 
 as much as a sample's plain step and drafts only pay when they are nearly always accepted. So the
 engine measures both sides as it runs instead of assuming either:
 
-- the cost of a forward as a function of its token count, a least-squares line ``a + b * T`` over
-  recent steps, refit every step;
+- the cost of a step, a non-negative least-squares fit ``a + b * T + c * W`` over recent steps,
+  refit every step: T is the number of tokens in the forward (weights and MLPs see exactly
+  those), W the attention work, query rows times the step's longest context (attention pads the
+  draft rows of the drafting samples to the step's deepest draft, see ``DecodeAttention``);
 - the chance that a draft token at depth d is accepted given its parent was, per depth.
 
-Each step it picks the per-sample draft length L in [0, max] that maximises
-``(B + B * E[accepted | L]) / cost(B * (1 + L))``. The cost samples belong to the engine and
-outlive a call (they describe the machine and the model, plain steps included); while the line
-is not identified yet (all steps had one size) it alternates between no draft and a one-token
-draft, the cheapest probe.
+Deterministic drafts come with the drafter's confidence in each node (its estimate of the
+target's probability of the token, and the length of the context match behind it). The budget
+calibrates those against what verification actually accepts, per confidence bin and match length,
+so a node's chance of being accepted is the product of calibrated values along its path. Each step
+then ranks every candidate node of the whole batch by that chance and keeps the best k, the k that
+maximises ``(B + sum of the k chances) / cost``, the cost of the step those k nodes make (its T
+and its Qmax): a node earns its place in the forward only where its expected tokens beat what the
+same compute buys elsewhere. Chances never grow from a node to its children, so the kept nodes
+always form trees.
+
+Sampled drafts must not be pruned by what was drawn (the multi-draft schemes need the drafts
+exactly as sampled from q), so for them the budget picks one draft length L in [0, max] per step
+from per-depth acceptance instead, the L that maximises ``B * (1 + E[accepted | L]) / cost`` with
+``T = B * (1 + L)`` and ``Qmax = 1 + L``.
+
+The cost samples belong to the engine and outlive a call (they describe the machine and the model,
+plain steps included); while the fit is not identified yet (too few step sizes seen) the budget
+alternates between no draft and a cheap probe.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
+
+import numpy as np
+from scipy.optimize import nnls
+
+from multispec.drafters.base import DraftTree
+
+CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99)
+"""Calibration bins of the drafter's confidence: finest near 1, where drafting pays on big batches."""
+WORK_UNIT = 1e4
+"""Scale of the attention-work feature (query rows x keys), keeping the fit well conditioned."""
+PRIOR_WEIGHT = 2.0
+"""Pseudo-observations behind each calibration cell's prior (the raw confidence itself)."""
 
 
 class DraftBudget:
-    def __init__(self, max_depth: int, samples: deque[tuple[int, float]] | None = None):
+    def __init__(self, max_depth: int, samples: deque[tuple[int, float, float]] | None = None,
+                 max_evidence: int = 4):
         self.max_depth = max_depth
         self.samples = samples if samples is not None else deque(maxlen=256)
         # Pseudo-counts: a prior of 50% acceptance per depth, worth two observations.
         self.tried = [2.0] * (max_depth + 1)
         self.kept = [1.0] * (max_depth + 1)
         self.steps = 0
+        self.max_evidence = max_evidence
+        edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
+        centers = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
+        self.cal_tried = [[PRIOR_WEIGHT] * (max_evidence + 1) for _ in centers]
+        self.cal_kept = [[PRIOR_WEIGHT * c] * (max_evidence + 1) for c in centers]
 
-    def record_forward(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
+    # ------------------------------------------------------------------ calibration
+    def _cell(self, confidence: float, evidence: int) -> tuple[int, int]:
+        return bisect_right(CONFIDENCE_EDGES, confidence), min(max(evidence, 0), self.max_evidence)
+
+    def calibrated(self, confidence: float, evidence: int) -> float:
+        """Measured acceptance of nodes the drafter gave this confidence and match length."""
+        k, e = self._cell(confidence, evidence)
+        return self.cal_kept[k][e] / self.cal_tried[k][e]
+
+    def record_nodes(self, trees: list[DraftTree], paths: list[list[int]]) -> None:
+        """Every node whose parent was accepted was tried; it was kept if it is on the accepted path."""
+        for tree, path in zip(trees, paths):
+            if not tree.tokens or tree.confidence is None or tree.evidence is None:
+                continue
+            accepted = set(path)
+            for i, parent in enumerate(tree.parents):
+                if parent < 0 or parent in accepted:
+                    k, e = self._cell(tree.confidence[i], tree.evidence[i])
+                    self.cal_tried[k][e] += 1.0
+                    self.cal_kept[k][e] += i in accepted
+
+    def select(self, trees: list[DraftTree], context: int) -> list[DraftTree]:
+        """Keep, across the whole batch, the draft nodes that maximise expected tokens per second.
+
+        ``context``: keys the step's attention reads per query row (longest prompt plus longest
+        sample cache)."""
+        self.steps += 1
+        batch = len(trees)
+        candidates = []  # (-chance, depth, sample, node)
+        for b, tree in enumerate(trees):
+            if not tree.tokens or tree.confidence is None or tree.evidence is None:
+                continue
+            chance: list[float] = []
+            depth: list[int] = []
+            for i, parent in enumerate(tree.parents):
+                p = self.calibrated(tree.confidence[i], tree.evidence[i])
+                chance.append(p if parent < 0 else p * chance[parent])
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                candidates.append((-chance[i], depth[i], b, i))
+        candidates.sort()
+        model = self.cost_model()
+        if model is None:  # probe: alternate between nothing and the likely half
+            keep = sum(1 for c in candidates if -c[0] >= 0.5) if self.steps % 2 else 0
+        else:
+            counts = [1] * batch
+            qmax, drafting, gained = 1, 0, float(batch)
+            keep, best_rate = 0, batch / self._cost(model, batch, batch, 1, context)
+            for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
+                gained -= neg_chance
+                drafting += counts[b] == 1
+                counts[b] += 1
+                qmax = max(qmax, counts[b])
+                rate = gained / self._cost(model, batch + k, batch, qmax, context, drafting)
+                if rate > best_rate:
+                    keep, best_rate = k, rate
+        kept: list[list[int]] = [[] for _ in trees]
+        for _, _, b, i in candidates[:keep]:
+            kept[b].append(i)
+        return [tree.subtree(sorted(nodes)) for tree, nodes in zip(trees, kept)]
+
+    # ------------------------------------------------------------------ cost
+    @staticmethod
+    def work(batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
+        """Attention work of a step: query rows as ``DecodeAttention`` lays them out (all root rows,
+        plus the drafting samples' draft rows padded to the deepest draft), times the context."""
+        if drafting is None or drafting in (0, batch):
+            rows = batch * qmax
+        else:
+            rows = batch + drafting * (qmax - 1)
+        return rows * context / WORK_UNIT
+
+    @classmethod
+    def _cost(cls, model: tuple[float, float, float], tokens: int, batch: int, qmax: int, context: int,
+              drafting: int | None = None) -> float:
+        fixed, per_token, per_work = model
+        return fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting)
+
+    def record_forward(self, tokens: int, work: float, seconds: float) -> None:
+        """One step: its token count, attention work (``work(B, Qmax, context)``) and duration."""
+        self.samples.append((tokens, work, seconds))
+
+    def cost_model(self) -> tuple[float, float, float] | None:
+        """(fixed, per token, per unit of attention work) seconds, or None while unidentified."""
+        if len({t for t, _, _ in self.samples}) < 3:
+            return None
+        data = np.array(self.samples, dtype=np.float64)
+        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        coef, _ = nnls(features, data[:, 2])
+        return max(float(coef[0]), 1e-6), float(coef[1]), float(coef[2])
 
     def record_acceptance(self, drafted_by_depth: list[int], accepted_by_depth: list[int]) -> None:
         """Counts of draft tokens offered at each depth (parent accepted) and accepted there."""
@@ -47,30 +168,18 @@ class DraftBudget:
             total += chain
         return total
 
-    def cost_line(self) -> tuple[float, float] | None:
-        if len({t for t, _ in self.samples}) < 2:
-            return None
-        n = len(self.samples)
-        mean_t = sum(t for t, _ in self.samples) / n
-        mean_s = sum(s for _, s in self.samples) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
-        slope = sum((t - mean_t) * (s - mean_s) for t, s in self.samples) / var
-        slope = max(slope, 0.0)
-        return max(mean_s - slope * mean_t, 1e-6), slope
-
-    def choose(self, batch: int) -> int:
-        """Draft tokens per sample for a step of ``batch`` samples."""
+    def choose(self, batch: int, context: int) -> int:
+        """Draft tokens per sample for a step of ``batch`` samples (sampled drafts)."""
         self.steps += 1
         if self.max_depth == 0:
             return 0
-        line = self.cost_line()
-        if line is None:
+        model = self.cost_model()
+        if model is None:
             return 1 if self.steps % 2 else 0
-        fixed, per_token = line
         best, best_rate = 0, 0.0
         for length in range(self.max_depth + 1):
             gained = batch * (1.0 + self.expected_accepted(length))
-            rate = gained / (fixed + per_token * batch * (1 + length))
+            rate = gained / self._cost(model, batch * (1 + length), batch, 1 + length, context)
             if rate > best_rate * 1.02:  # prefer the shorter draft unless the longer one clearly wins
                 best, best_rate = length, rate
         return best

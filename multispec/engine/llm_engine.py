@@ -57,8 +57,8 @@ class Engine:
         self.dtype = model.output_weight().dtype
         self.device = model.output_weight().device
         self.vocab_size = model.config.vocab_size
-        # (tokens, seconds) of recent decode forwards: the draft budget's cost model.
-        self.forward_costs: deque[tuple[int, float]] = deque(maxlen=256)
+        # (tokens, attention work, seconds) of recent decode steps: the draft budget's cost model.
+        self.forward_costs: deque[tuple[int, float, float]] = deque(maxlen=256)
 
     # ------------------------------------------------------------------ requests and memory
     def make_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
@@ -139,7 +139,8 @@ class Engine:
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
         draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
-        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0, self.forward_costs)
+        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0, self.forward_costs,
+                             max_evidence=spec.max_ngram)
         waiting = deque(requests)
         slots: list[Sample] = []
         next_sample_id = 0
@@ -240,12 +241,14 @@ class Engine:
         return _Step(slots, trees, torch.tensor(tokens, device=self.device),
                      torch.tensor(positions, device=self.device), layout, offsets)
 
-    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator, budget: DraftBudget) -> list[DraftTree]:
+    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator, budget: DraftBudget,
+               context: int) -> list[DraftTree]:
         if not spec.speculates:
             return [DraftTree.EMPTY] * len(slots)
         nodes = spec.max_draft_nodes
-        if spec.adaptive:
-            length = budget.choose(len(slots))
+        scored = spec.adaptive and not spec.sampled_drafts
+        if spec.adaptive and not scored:
+            length = budget.choose(len(slots), context)
             if length == 0:
                 return [DraftTree.EMPTY] * len(slots)
             if length < spec.max_draft_tokens:
@@ -256,12 +259,14 @@ class Engine:
             if sum(budgets) > spare:
                 share = spare // len(slots)
                 budgets = [min(b, share) for b in budgets]
-        return drafter.propose([s.sample_id for s in slots], budgets, generator)
+        trees = drafter.propose([s.sample_id for s in slots], budgets, generator)
+        return budget.select(trees, context) if scored else trees
 
     def _decode_step(self, slots: list[Sample], cache: KVCache, spec: SpecConfig, drafter, generator,
                      budget: DraftBudget, stats: RunStats) -> int:
         t0 = time.perf_counter()
-        trees = self._draft(slots, spec, drafter, generator, budget)
+        context = _context(slots)
+        trees = self._draft(slots, spec, drafter, generator, budget, context)
         t1 = time.perf_counter()
         padded = cache.valid is not None
         step = self._pack(slots, trees, padded)
@@ -271,9 +276,12 @@ class Engine:
         t3 = time.perf_counter()
         gained = self._commit(step, logits, results, cache, drafter, stats, padded)
         t4 = time.perf_counter()
-        budget.record_forward(int(step.token_ids.numel()), t2 - t1)
+        # The whole step is what a draft token costs: forward, verification and commit grow with it.
+        qmax, drafting = int(step.layout.counts.max()), int((step.layout.counts > 1).sum())
+        budget.record_forward(int(step.token_ids.numel()), budget.work(len(slots), qmax, context, drafting), t4 - t0)
         if budget.max_depth:
             budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
+            budget.record_nodes(trees, [path for path, _, _ in results])
         stats.decode_forwards += 1
         stats.sample_steps += len(slots)
         stats.forward_tokens += int(step.token_ids.numel())
@@ -458,6 +466,11 @@ def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tup
             kept[depth] += 1
             node = path[depth - 1]
     return tried, kept
+
+
+def _context(slots: list[Sample]) -> int:
+    """Keys a step's attention reads per query row: longest prompt plus longest sample cache."""
+    return max(s.request.prompt_len for s in slots) + max(s.written for s in slots)
 
 
 def _cumsum(values: list[int]):

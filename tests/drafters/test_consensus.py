@@ -119,3 +119,32 @@ def test_random_texts_give_valid_trees(check_tree, sampled, aggregate):
             check_tree(tree, min(budget, max_nodes), max_depth, V)
             new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
             drafter.observe(sample, new, [rng.random() for _ in new] if rng.random() < 0.5 else None)
+
+
+def test_confidence_is_agreement_times_the_sources_probability():
+    """Two siblings continue [9, 4] with 5 (target probability 0.9 each), one with 7 (0.6): the
+    drafter's confidence in 5 is 2/3 of the votes times 0.9, in 7 it is 1/3 times 0.6; a child's
+    confidence is relative to its parent's path. Prompt text, whose probabilities nobody computed,
+    counts as 1/2."""
+    drafter = consensus(max_nodes=8)
+    drafter.add_group(0, [1, 2, 3], [0, 1, 2, 3])
+    for sample, tail, probs in ((1, [5, 6], [0.9, 0.5]), (2, [5, 6], [0.9, 0.5]), (3, [7], [0.6])):
+        drafter.observe(sample, [9, 4] + tail, [0.5, 0.8] + probs)
+    drafter.observe(0, [9, 4], [0.5, 0.8])
+    tree = propose(drafter, 0, budget=3)
+    assert tree.tokens == [5, 6, 7] and tree.parents == [-1, 0, -1]  # by weight: 1.8, 0.9, 0.6
+    assert tree.confidence == pytest.approx([2 / 3 * 0.9, 0.5, 1 / 3 * 0.6])
+    assert tree.evidence == [4, 4, 4]
+
+    prompt_only = consensus()
+    prompt_only.add_group(0, [1, 2, 3, 1, 2], [0])
+    tree = propose(prompt_only, 0, budget=1)  # "1 2" is followed by 3 in the prompt
+    assert tree.tokens == [3] and tree.confidence == [0.5] and tree.evidence == [2]
+
+
+def test_subtree_reindexes_parents_and_keeps_scores():
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 1], None, [0.9, 0.8, 0.7, 0.6], [4, 3, 2, 1])
+    sub = tree.subtree([0, 1, 3])
+    assert sub.tokens == [5, 6, 8] and sub.parents == [-1, 0, 1]
+    assert sub.confidence == [0.9, 0.8, 0.6] and sub.evidence == [4, 3, 1]
+    assert tree.subtree([]) == DraftTree.EMPTY and tree.subtree([0, 1, 2, 3]) is tree

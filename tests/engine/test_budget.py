@@ -2,35 +2,122 @@
 
 from collections import deque
 
+import pytest
+
+from multispec.drafters.base import DraftTree
 from multispec.engine.budget import DraftBudget
 
+CONTEXT = 200
 
-def trained(fixed: float, per_token: float, accept: float) -> DraftBudget:
-    costs = deque((t, fixed + per_token * t) for t in (16, 32, 48, 64, 96))
-    budget = DraftBudget(6, costs)
+
+def costs(fixed: float, per_token: float, per_work: float = 0.0) -> deque:
+    """Step timings that follow the cost model exactly, over varied sizes and draft shapes."""
+    samples = deque()
+    for batch in (8, 16, 32):
+        for context in (100, 300):
+            for qmax, drafting in ((1, 0), (2, batch // 2), (4, batch), (3, 2)):
+                tokens = batch + drafting * (qmax - 1)
+                work = DraftBudget.work(batch, qmax, context, drafting)
+                samples.append((tokens, work, fixed + per_token * tokens + per_work * work))
+    return samples
+
+
+def trained(fixed: float, per_token: float, accept: float, per_work: float = 0.0) -> DraftBudget:
+    budget = DraftBudget(6, costs(fixed, per_token, per_work))
     budget.record_acceptance([0] + [1000] * 6, [0] + [int(1000 * accept)] * 6)
     return budget
 
 
+def test_cost_model_recovers_the_three_terms():
+    fixed, per_token, per_work = DraftBudget(4, costs(0.05, 0.002, 0.03)).cost_model()
+    assert fixed == pytest.approx(0.05, rel=1e-3)
+    assert per_token == pytest.approx(0.002, rel=1e-3)
+    assert per_work == pytest.approx(0.03, rel=1e-3)
+
+
 def test_overhead_bound_forwards_get_long_drafts():
-    assert trained(fixed=0.1, per_token=0.0001, accept=0.6).choose(16) == 6
+    assert trained(fixed=0.1, per_token=0.0001, accept=0.6).choose(16, CONTEXT) == 6
 
 
 def test_compute_bound_forwards_get_no_draft():
-    assert trained(fixed=0.0, per_token=0.01, accept=0.6).choose(16) == 0
+    assert trained(fixed=0.0, per_token=0.01, accept=0.6).choose(16, CONTEXT) == 0
 
 
 def test_in_between_the_length_follows_acceptance():
-    low = trained(fixed=0.05, per_token=0.003, accept=0.3).choose(16)
-    high = trained(fixed=0.05, per_token=0.003, accept=0.9).choose(16)
+    low = trained(fixed=0.05, per_token=0.003, accept=0.3).choose(16, CONTEXT)
+    high = trained(fixed=0.05, per_token=0.003, accept=0.9).choose(16, CONTEXT)
     assert low < high
 
 
 def test_unidentified_cost_probes_with_one_token():
-    budget = DraftBudget(6, deque([(16, 0.1)] * 3))
-    assert sorted({budget.choose(16) for _ in range(4)}) == [0, 1]
+    budget = DraftBudget(6, deque([(16, 0.3, 0.1)] * 3))
+    assert sorted({budget.choose(16, CONTEXT) for _ in range(4)}) == [0, 1]
 
 
 def test_expected_accepted_is_the_chain_sum():
     budget = trained(0.1, 0.001, accept=0.5)
     assert abs(budget.expected_accepted(3) - (0.5 + 0.25 + 0.125)) < 0.01
+
+
+# ---------------------------------------------------------------- per-node selection
+
+def chain(confidences: list[float], evidence: int = 4) -> DraftTree:
+    n = len(confidences)
+    return DraftTree(list(range(10, 10 + n)), [-1] + list(range(n - 1)), None, confidences, [evidence] * n)
+
+
+def test_calibration_learns_what_verification_accepts():
+    budget = DraftBudget(4)
+    before = budget.calibrated(0.97, 4)
+    # The drafter says 0.97, but only 1 in 4 of those nodes is accepted.
+    for accepted in ([0], [], [], []) * 50:
+        budget.record_nodes([chain([0.97])], [accepted])
+    assert before == pytest.approx(0.965, abs=0.01)
+    assert budget.calibrated(0.97, 4) == pytest.approx(0.25, abs=0.03)
+    assert budget.calibrated(0.97, 1) == before  # other cells keep their prior
+
+
+def test_record_nodes_counts_a_node_only_when_its_parent_was_accepted():
+    budget = DraftBudget(4)
+    tree = chain([0.5, 0.85, 0.97])
+    budget.record_nodes([tree], [[]])  # first node rejected: the others were never tried
+    assert budget.cal_tried[budget._cell(0.5, 4)[0]][4] == 3.0
+    assert budget.cal_tried[budget._cell(0.85, 4)[0]][4] == 2.0
+    assert budget.cal_tried[budget._cell(0.97, 4)[0]][4] == 2.0
+
+
+def test_overhead_bound_steps_keep_whole_trees_and_compute_bound_steps_keep_only_sure_nodes():
+    trees = [chain([0.995, 0.995, 0.5]), chain([0.3, 0.995]), DraftTree.EMPTY, chain([0.995])]
+    cheap = DraftBudget(4, costs(fixed=0.2, per_token=0.0001)).select(trees, CONTEXT)
+    assert [len(t) for t in cheap] == [3, 2, 0, 1]
+    dear = DraftBudget(4, costs(fixed=0.01, per_token=0.004)).select(trees, CONTEXT)
+    assert [len(t) for t in dear] == [2, 0, 0, 1]
+    assert dear[0].tokens == trees[0].tokens[:2] and dear[0].parents == [-1, 0]
+    assert DraftBudget(4, costs(fixed=0.0, per_token=0.01)).select(trees, CONTEXT) == [DraftTree.EMPTY] * 4
+
+
+def test_kept_nodes_form_trees_in_chance_order():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, -1, 2, 0], None, [0.7, 0.995, 0.3, 0.995, 0.2], [4] * 5)
+    budget = DraftBudget(4, costs(fixed=0.05, per_token=0.003))
+    kept = budget.select([tree, chain([0.5])], CONTEXT)[0]
+    for parent in kept.parents:
+        assert parent < len(kept.tokens)
+    assert kept.tokens[:2] == [1, 2]  # the likely branch, with its sure child
+    assert 3 not in kept.tokens or 1 in kept.tokens
+
+
+def test_costly_attention_padding_prefers_breadth_to_depth():
+    """Same chances, but one deep chain would pad every drafting sample's rows: with attention
+    work priced high, the budget spends its tokens on first nodes across samples instead."""
+    trees = [chain([0.999] * 6)] + [chain([0.99])] * 7
+    no_padding_cost = DraftBudget(6, costs(fixed=0.2, per_token=0.0003)).select(trees, CONTEXT)
+    padding_cost = DraftBudget(6, costs(fixed=0.2, per_token=0.0003, per_work=0.5)).select(trees, CONTEXT)
+    assert len(no_padding_cost[0]) == 6
+    assert len(padding_cost[0]) < 6 and all(len(t) == 1 for t in padding_cost[1:])
+
+
+def test_unidentified_cost_probes_with_the_likely_nodes():
+    budget = DraftBudget(4)
+    trees = [chain([0.995, 0.3])]
+    picks = [len(budget.select(trees, CONTEXT)[0]) for _ in range(4)]
+    assert sorted(set(picks)) == [0, 1]
