@@ -13,9 +13,10 @@ mean probability, over the sources that continue this way, of the path to the no
 own context. Divided by the parent's, it is the drafter's estimate of the target's probability of
 the node's token given that the source's continuation is the right one. Times the share of the
 parent's votes that continue with this node, it is the drafter's ``confidence`` in the node: a
-mixture estimate that measured well calibrated on GSM8K samples, where either factor alone is
-not (a confident source that its siblings contradict is usually wrong). The longest match behind
-each node is kept as its ``evidence``.
+mixture estimate: a confident source that its siblings contradict is usually wrong, and sources
+that agree are usually right however many of them there are. How well it predicts acceptance is
+measured by ``benchmarks/bench_calibration.py``. The longest match behind each node is kept as
+its ``evidence``.
 """
 
 from __future__ import annotations
