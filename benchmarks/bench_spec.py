@@ -17,6 +17,7 @@ grid to about 80 minutes here.
 
     python benchmarks/bench_spec.py           # the full table and plot (about an hour here)
     python benchmarks/bench_spec.py --quick   # a few-minute subset
+    python benchmarks/bench_spec.py --cells 0 --append   # rerun one cell into the saved table
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_spec.json"))
     parser.add_argument("--plot", help="PNG path (default docs/spec_speedup.png, or docs/spec_speedup_quick.png)")
     parser.add_argument("--from-json", help="only redraw the table and plot from a saved result file")
+    parser.add_argument("--cells", help="comma-separated indexes of the cells to run (default: all)")
+    parser.add_argument("--append", action="store_true",
+                        help="add the cells run to those already in --out instead of replacing the file")
     args = parser.parse_args()
     cells = QUICK_CELLS if args.quick else FULL_CELLS
     max_tokens = 128 if args.quick and args.max_tokens == 256 else args.max_tokens
@@ -130,10 +134,13 @@ def main() -> None:
         from multispec import LLM
 
         llm = LLM()
-        table = []
+        table = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
+        if args.cells:
+            cells = [cells[int(i)] for i in args.cells.split(",")]
         for questions, n, temperature, first, further in cells:
             rows = run_cell(llm, questions, n, temperature, [first] + further, max_tokens, args.depth)
             table.append({"questions": questions, "n": n, "temperature": temperature, "rows": rows})
+        table.sort(key=lambda c: (c["temperature"], c["n"]))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(table, indent=1))
     default_plot = "spec_speedup_quick.png" if args.quick else "spec_speedup.png"

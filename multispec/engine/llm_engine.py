@@ -146,10 +146,7 @@ class Engine:
         next_sample_id = 0
         with torch.inference_mode():
             while waiting or slots:
-                admitted = []
-                while (waiting and cache.free_prompt_slots
-                       and len(slots) + sum(r.params.n for r in admitted) + waiting[0].params.n <= shape.sample_slots):
-                    admitted.append(waiting.popleft())
+                admitted = _admit(waiting, len(cache.free_prompt_slots), shape.sample_slots - len(slots))
                 if admitted:
                     for request in admitted:
                         request.prompt_slot = cache.take_prompt_slot()
@@ -466,6 +463,15 @@ def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tup
             kept[depth] += 1
             node = path[depth - 1]
     return tried, kept
+
+
+def _admit(waiting: deque[Request], free_prompt_slots: int, free_sample_slots: int) -> list[Request]:
+    """Take waiting requests in order while each has a prompt slot and room for all its samples."""
+    admitted: list[Request] = []
+    while waiting and len(admitted) < free_prompt_slots and waiting[0].params.n <= free_sample_slots:
+        free_sample_slots -= waiting[0].params.n
+        admitted.append(waiting.popleft())
+    return admitted
 
 
 def _context(slots: list[Sample]) -> int:

@@ -63,3 +63,21 @@ def test_plan_refuses_before_allocating_and_shrinks_to_queue():
     assert 4 <= shape.sample_slots < 24 and shape.prompt_slots >= 1
     engine.config.kv_cache_bytes = per_token * one * 100
     assert engine.plan_cache(requests, SpecConfig()).sample_slots == 24
+
+
+def test_admission_respects_both_prompt_and_sample_slots():
+    """Samples of running requests can free sample slots faster than prompts free prompt slots:
+    admission then stops at the free prompt slots, not only at the free sample slots."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from multispec.engine.llm_engine import _admit
+
+    def request(n):
+        return SimpleNamespace(params=SimpleNamespace(n=n))
+
+    waiting = deque([request(4), request(4), request(4)])
+    assert len(_admit(waiting, free_prompt_slots=1, free_sample_slots=40)) == 1 and len(waiting) == 2
+    waiting = deque([request(4), request(8), request(1)])
+    assert [r.params.n for r in _admit(waiting, free_prompt_slots=3, free_sample_slots=10)] == [4]  # in order
+    assert _admit(deque([request(4)]), free_prompt_slots=0, free_sample_slots=40) == []
