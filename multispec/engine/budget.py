@@ -6,10 +6,11 @@ nothing and long drafts pay; where it is compute-bound (large batches on a CPU) 
 as much as a sample's plain step and drafts only pay when they are nearly always accepted. So the
 engine measures both sides as it runs instead of assuming either:
 
-- the cost of a step, a non-negative least-squares fit ``a + b * T + c * W`` over recent steps,
+- the cost of a step, a non-negative least-squares fit ``a + b * T + c * W + d * S`` over recent steps,
   refit every step: T is the number of tokens in the forward (weights and MLPs see exactly
   those), W the attention work, query rows times the step's longest context (attention pads the
-  draft rows of the drafting samples to the step's deepest draft, see ``DecodeAttention``);
+  draft rows of the drafting samples to the step's deepest draft, see ``DecodeAttention``), and S
+  is 1 for a step with any draft token (the fixed price of drafting at all);
 - the chance that a draft token at depth d is accepted given its parent was, per depth.
 
 Deterministic drafts come with the drafter's confidence in each node (its estimate of the
@@ -137,23 +138,27 @@ class DraftBudget:
         return rows * context / WORK_UNIT
 
     @classmethod
-    def _cost(cls, model: tuple[float, float, float], tokens: int, batch: int, qmax: int, context: int,
+    def _cost(cls, model: tuple[float, float, float, float], tokens: int, batch: int, qmax: int, context: int,
               drafting: int | None = None) -> float:
-        fixed, per_token, per_work = model
-        return fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting)
+        fixed, per_token, per_work, speculative = model
+        return (fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting)
+                + (speculative if qmax > 1 else 0.0))
 
-    def record_forward(self, tokens: int, work: float, seconds: float) -> None:
-        """One step: its token count, attention work (``work(B, Qmax, context)``) and duration."""
-        self.samples.append((tokens, work, seconds))
+    def record_forward(self, tokens: int, work: float, seconds: float, speculative: bool = False) -> None:
+        """One step: its token count, attention work (``work(B, Qmax, context)``), duration, and
+        whether it carried any draft token."""
+        self.samples.append((tokens, work, seconds, float(speculative)))
 
-    def cost_model(self) -> tuple[float, float, float] | None:
-        """(fixed, per token, per unit of attention work) seconds, or None while unidentified."""
-        if len({t for t, _, _ in self.samples}) < 3:
+    def cost_model(self) -> tuple[float, float, float, float] | None:
+        """(fixed, per token, per unit of attention work, extra for a step with drafts) seconds,
+        or None while unidentified. The last term is what drafting at all costs a step (the second
+        attention part, tree verification, cache moves), whatever the number of draft tokens."""
+        if len({sample[0] for sample in self.samples}) < 3:
             return None
         data = np.array(self.samples, dtype=np.float64)
-        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 3]])
         coef, _ = nnls(features, data[:, 2])
-        return max(float(coef[0]), 1e-6), float(coef[1]), float(coef[2])
+        return max(float(coef[0]), 1e-6), float(coef[1]), float(coef[2]), float(coef[3])
 
     def record_acceptance(self, drafted_by_depth: list[int], accepted_by_depth: list[int]) -> None:
         """Counts of draft tokens offered at each depth (parent accepted) and accepted there."""

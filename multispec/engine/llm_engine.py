@@ -275,7 +275,8 @@ class Engine:
         t4 = time.perf_counter()
         # The whole step is what a draft token costs: forward, verification and commit grow with it.
         qmax, drafting = int(step.layout.counts.max()), int((step.layout.counts > 1).sum())
-        budget.record_forward(int(step.token_ids.numel()), budget.work(len(slots), qmax, context, drafting), t4 - t0)
+        budget.record_forward(int(step.token_ids.numel()), budget.work(len(slots), qmax, context, drafting), t4 - t0,
+                              speculative=qmax > 1)
         if budget.max_depth:
             budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
             budget.record_nodes(trees, [path for path, _, _ in results])

@@ -10,7 +10,7 @@ from multispec.engine.budget import DraftBudget
 CONTEXT = 200
 
 
-def costs(fixed: float, per_token: float, per_work: float = 0.0) -> deque:
+def costs(fixed: float, per_token: float, per_work: float = 0.0, speculative: float = 0.0) -> deque:
     """Step timings that follow the cost model exactly, over varied sizes and draft shapes."""
     samples = deque()
     for batch in (8, 16, 32):
@@ -18,7 +18,8 @@ def costs(fixed: float, per_token: float, per_work: float = 0.0) -> deque:
             for qmax, drafting in ((1, 0), (2, batch // 2), (4, batch), (3, 2)):
                 tokens = batch + drafting * (qmax - 1)
                 work = DraftBudget.work(batch, qmax, context, drafting)
-                samples.append((tokens, work, fixed + per_token * tokens + per_work * work))
+                extra = speculative if qmax > 1 else 0.0
+                samples.append((tokens, work, fixed + per_token * tokens + per_work * work + extra, float(qmax > 1)))
     return samples
 
 
@@ -28,11 +29,19 @@ def trained(fixed: float, per_token: float, accept: float, per_work: float = 0.0
     return budget
 
 
-def test_cost_model_recovers_the_three_terms():
-    fixed, per_token, per_work = DraftBudget(4, costs(0.05, 0.002, 0.03)).cost_model()
+def test_cost_model_recovers_the_four_terms():
+    fixed, per_token, per_work, speculative = DraftBudget(4, costs(0.05, 0.002, 0.03, 0.02)).cost_model()
     assert fixed == pytest.approx(0.05, rel=1e-3)
     assert per_token == pytest.approx(0.002, rel=1e-3)
     assert per_work == pytest.approx(0.03, rel=1e-3)
+    assert speculative == pytest.approx(0.02, rel=1e-3)
+
+
+def test_a_fixed_price_for_drafting_at_all_stops_a_few_unsure_drafts():
+    """One likely node in a batch of 32: worth a token, not worth the fixed cost of a step with drafts."""
+    trees = [chain([0.85])] + [DraftTree.EMPTY] * 31
+    assert len(DraftBudget(4, costs(0.05, 0.002)).select(trees, CONTEXT)[0]) == 1
+    assert len(DraftBudget(4, costs(0.05, 0.002, speculative=0.01)).select(trees, CONTEXT)[0]) == 0
 
 
 def test_overhead_bound_forwards_get_long_drafts():
@@ -50,7 +59,7 @@ def test_in_between_the_length_follows_acceptance():
 
 
 def test_unidentified_cost_probes_with_one_token():
-    budget = DraftBudget(6, deque([(16, 0.3, 0.1)] * 3))
+    budget = DraftBudget(6, deque([(16, 0.3, 0.1, 0.0)] * 3))
     assert sorted({budget.choose(16, CONTEXT) for _ in range(4)}) == [0, 1]
 
 
