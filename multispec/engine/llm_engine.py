@@ -277,9 +277,11 @@ class Engine:
         qmax, drafting = int(step.layout.counts.max()), int((step.layout.counts > 1).sum())
         budget.record_forward(int(step.token_ids.numel()), budget.work(len(slots), qmax, context, drafting), t4 - t0,
                               speculative=qmax > 1)
-        if budget.max_depth:
-            budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
-            budget.record_nodes(trees, [path for path, _, _ in results])
+        if budget.max_depth:  # each mode learns only what its own choice uses
+            if spec.sampled_drafts:
+                budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
+            else:
+                budget.record_nodes(trees, [path for path, _, _ in results])
         stats.decode_forwards += 1
         stats.sample_steps += len(slots)
         stats.forward_tokens += int(step.token_ids.numel())
