@@ -293,12 +293,13 @@ class Engine:
         return gained
 
     def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig):
-        """Per request (each has its own generator and scheme): accepted path and bonus per sample."""
+        """Per request (each has its own generator and scheme): per sample, the accepted path, the
+        bonus token and the target's probabilities of the tokens it appends (path, then bonus)."""
         by_request: dict[str, list[int]] = {}
         for b, sample in enumerate(step.samples):
             by_request.setdefault(sample.request.request_id, []).append(b)
         counts = [1 + len(t.tokens) for t in step.trees]
-        results: list[tuple[list[int], int, torch.Tensor]] = [None] * len(step.samples)  # type: ignore[list-item]
+        results: list[tuple[list[int], int, list[float]]] = [None] * len(step.samples)  # type: ignore[list-item]
         for members in by_request.values():
             request = step.samples[members[0]].request
             rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])])
@@ -317,10 +318,19 @@ class Engine:
             out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
                               generator=request.generator, validate=False)
             bonus = out.bonus_token.tolist()
-            row_base = 0
+            # The target's probability of every token each sample appends (accepted nodes, then the
+            # bonus at the last of them), for the drafter: one gather per request.
+            paths = [list(out.accepted_nodes[k]) for k in range(len(members))]
+            local_rows, local_tokens, row_base = [], [], 0
             for k, b in enumerate(members):
-                results[b] = (list(out.accepted_nodes[k]), bonus[k], probs[row_base:row_base + counts[b]])
+                local_rows += [row_base] + [row_base + 1 + j for j in paths[k]]
+                local_tokens += [step.trees[b].tokens[j] for j in paths[k]] + [bonus[k]]
                 row_base += counts[b]
+            appended = probs[torch.tensor(local_rows), torch.tensor(local_tokens)].tolist()
+            start = 0
+            for k, b in enumerate(members):
+                results[b] = (paths[k], bonus[k], appended[start: start + 1 + len(paths[k])])
+                start += 1 + len(paths[k])
         return results
 
     @staticmethod
@@ -354,7 +364,7 @@ class Engine:
         offset = 0
         advance = 1 + max(len(r[0]) for r in results)
         for b, sample in enumerate(step.samples):
-            path, _, probs = results[b]
+            path, _, token_probs = results[b]
             tokens, rows = appended[b]
             stats.accepted_tokens += len(path)
             for k, j in enumerate(path):
@@ -362,7 +372,6 @@ class Engine:
                     move_slots.append(b)
                     move_src.append(sample.written + 1 + j)
                     move_dst.append(sample.written + 1 + k)
-            token_probs = probs[torch.tensor(rows), torch.tensor(tokens)].tolist()
             sample.cached += 1 + len(path)
             if padded:
                 cache.valid[b, sample.written: sample.written + 1 + len(path)] = True

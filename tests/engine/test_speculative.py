@@ -140,3 +140,51 @@ def test_sampled_first_tokens_follow_the_model(llm, name):
     observed = [counts[k] for k in keys] + [other]
     expected = [p * total for p in expected_p]
     assert chisquare(observed, expected).pvalue > alpha
+
+
+def test_drafter_is_told_the_target_probability_of_each_appended_token(llm, monkeypatch):
+    """What the engine passes to ``observe`` is p(token) under each request's own sampling law
+    (two requests with different temperatures and top-p in one batch, so a row or request mix-up
+    shows), checked against a plain forward over the finished texts."""
+    import multispec.engine.llm_engine as llm_engine
+
+    seen: dict[int, list[tuple[list[int], list[float] | None]]] = {}
+    made = llm_engine.make_drafter
+
+    def recording(kind, **options):
+        drafter = made(kind, **options)
+        observe = drafter.observe
+
+        def spy(sample_id, tokens, probs=None):
+            seen.setdefault(sample_id, []).append((list(tokens), probs))
+            observe(sample_id, tokens, probs)
+        drafter.observe = spy
+        return drafter
+
+    monkeypatch.setattr(llm_engine, "make_drafter", recording)
+    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=2)]
+    params = [SamplingParams(n=3, temperature=0.7, max_tokens=24, seed=1),
+              SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=24, seed=2)]
+    spec = SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=4, adaptive=False)
+    outputs = llm.chat(conversations, params, spec)
+    assert llm.last_stats.accepted_tokens > 0
+    sample_ids = sorted(seen)
+    checked = 0
+    for out, sp in zip(outputs, params):
+        for completion in out.outputs:
+            sample_id = sample_ids.pop(0)
+            calls = seen[sample_id]
+            assert [t for tokens, _ in calls for t in tokens] == completion.token_ids
+            assert calls[0][1] is None  # the prefill's token: no probability handed over
+            told = [p for _, probs in calls[1:] for p in probs]
+            ids = out.prompt_token_ids + completion.token_ids
+            with torch.inference_mode():
+                logits = prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)
+            rows = logits[len(out.prompt_token_ids):len(ids) - 1]
+            m = rows.shape[0]
+            want = target_probs(rows, torch.full((m,), sp.temperature), torch.zeros(m, dtype=torch.long),
+                                torch.full((m,), sp.top_p))
+            want = want[torch.arange(m), torch.tensor(completion.token_ids[1:])].tolist()
+            assert told == pytest.approx(want, abs=2e-3)
+            checked += len(told)
+    assert checked > 100
