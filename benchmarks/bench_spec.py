@@ -9,13 +9,17 @@ drafts). Rows per cell:
 - consensus-auto: the default, draft length chosen per step from measured cost and acceptance;
 - consensus-padded: the padded-batching ablation (n = 16 and 64).
 
-The headline cell (n = 16, temperature 0.7) is the median of 3 runs for the rows that make the
-headline (none, consensus, consensus-auto); its other rows and the other cells run once. Fixed
-4-token drafts run at about half the speed of plain decoding at these batch sizes on a CPU, so the
-n = 64 cell and the temperature 1.0 cell keep to the rows they are there for, which holds the full
-grid to about 80 minutes here.
+The cells above batch all questions of a cell into one call (32 to 256 samples in flight), as
+an offline evaluation does. Two more cells send the questions one after another, one request in
+flight at a time (4 and 16 samples), as a client waiting on each answer does: there a forward is
+overhead-bound on a CPU, the regime where speculation turns tau into speed.
 
-    python benchmarks/bench_spec.py           # the full table and plot (about an hour here)
+The headline cell (n = 16, temperature 0.7) is the median of 3 runs for the wall-clock comparison
+(none and consensus-auto); its other rows and the other cells run once (tau barely moves between
+runs). Fixed 4-token drafts run at about half the speed of plain decoding at the batched sizes on
+a CPU, so the n = 64 cell and the temperature 1.0 cell keep to the rows they are there for.
+
+    python benchmarks/bench_spec.py           # the full table and plot (about 75 minutes here)
     python benchmarks/bench_spec.py --quick   # a few-minute subset
     python benchmarks/bench_spec.py --cells 0 --append   # rerun one cell into the saved table
 """
@@ -23,6 +27,7 @@ grid to about 80 minutes here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,14 +36,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 ALL = ("none", "consensus", "consensus-first-match", "ngram", "consensus-auto")
-HEADLINE = ("none", "consensus", "consensus-auto")
-FULL_CELLS = [  # (questions, n, temperature, rows of the first run, rows of each further run)
-    (8, 4, 0.7, ALL, []),
-    (8, 16, 0.7, ALL + ("consensus-padded",), [HEADLINE, HEADLINE]),
-    (4, 64, 0.7, ("none", "consensus", "consensus-auto", "consensus-padded"), []),
-    (8, 16, 1.0, ("none", "consensus", "ngram", "consensus-auto"), []),
+MEDIAN = ("none", "consensus-auto")
+"""Rows of the headline cell's further runs: the wall-clock comparison (tau barely moves between runs)."""
+SMALL = ("none", "consensus", "ngram", "consensus-auto")
+FULL_CELLS = [  # (questions, n, temperature, rows of the first run, rows of each further run, one at a time)
+    (8, 4, 0.7, ALL, [], False),
+    (8, 16, 0.7, ALL + ("consensus-padded",), [MEDIAN, MEDIAN], False),
+    (4, 64, 0.7, ("none", "consensus", "consensus-auto", "consensus-padded"), [], False),
+    (8, 16, 1.0, SMALL, [], False),
+    (4, 4, 0.7, SMALL, [], True),
+    (2, 16, 0.7, SMALL, [], True),
 ]
-QUICK_CELLS = [(2, 4, 0.7, ALL, []), (2, 16, 0.7, ALL + ("consensus-padded",), [])]
+QUICK_CELLS = [(2, 4, 0.7, ALL, [], False), (2, 16, 0.7, ALL + ("consensus-padded",), [], False),
+               (1, 4, 0.7, SMALL, [], True)]
 
 
 def configs(depth: int, labels):
@@ -54,7 +64,25 @@ def configs(depth: int, labels):
     return [(label, specs[label]) for label in labels]
 
 
-def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_tokens: int, depth: int):
+def chat_stats(llm, conversations, params, spec, one_at_a_time: bool):
+    """RunStats of one chat call over all conversations, or summed over one call per conversation
+    (a single prompt in flight at a time, as a client sending one request after another)."""
+    from multispec.params import RunStats
+
+    if not one_at_a_time:
+        llm.chat(conversations, params, spec, use_tqdm=False)
+        return llm.last_stats
+    total = RunStats()
+    for conversation in conversations:
+        llm.chat([conversation], params, spec, use_tqdm=False)
+        for f in dataclasses.fields(RunStats):
+            if f.name != "extra":
+                setattr(total, f.name, getattr(total, f.name) + getattr(llm.last_stats, f.name))
+    return total
+
+
+def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_tokens: int, depth: int,
+             one_at_a_time: bool = False):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
     from multispec.reasoning.gsm8k import INSTRUCTION
@@ -65,15 +93,14 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
     for run, labels in enumerate(schedule):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
         for label, spec in configs(depth, labels):
-            llm.chat(conversations, params, spec, use_tqdm=False)
-            s = llm.last_stats
+            s = chat_stats(llm, conversations, params, spec, one_at_a_time)
             step_time = s.time_draft + s.time_forward + s.time_verify + s.time_commit
             results.setdefault(label, []).append({
                 "tok_s": s.tokens_per_second, "tau": s.tau, "acceptance": s.acceptance_rate,
                 "forwards": s.decode_forwards, "tokens": s.generated_tokens,
                 "draft_share": s.time_draft / step_time if step_time else 0.0,
                 "forward_tokens_per_step": s.forward_tokens / max(s.decode_forwards, 1)})
-            print(f"  q={questions} n={n} T={temperature} run {run} {label:<22} {s.tokens_per_second:7.1f} tok/s "
+            print(f"  q={questions}{'(1 at a time)' if one_at_a_time else ''} n={n} T={temperature} run {run} {label:<22} {s.tokens_per_second:7.1f} tok/s "
                   f"tau {s.tau:.2f}", file=sys.stderr)
     summary = {}
     for label, rows in results.items():
@@ -88,26 +115,36 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
     return summary
 
 
+def cell_name(cell: dict) -> str:
+    return f"{cell['questions']} x {cell['n']}" + (", one at a time" if cell.get("one_at_a_time") else "")
+
+
 def plot(table: list[dict], path: Path, subtitle: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = [c for c in table if c["temperature"] == 0.7]
-    labels = [label for label in cells[0]["rows"] if label != "none"]
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    for label in labels:
-        ns = [c["n"] for c in cells if label in c["rows"]]
-        ax_tau.plot(ns, [c["rows"][label]["tau"] for c in cells if label in c["rows"]], marker="o", label=label)
-        ax_speed.plot(ns, [c["rows"][label]["speedup"] for c in cells if label in c["rows"]], marker="o", label=label)
+    batched = [c for c in table if c["temperature"] == 0.7 and not c.get("one_at_a_time")]
+    single = [c for c in table if c["temperature"] == 0.7 and c.get("one_at_a_time")]
+    labels = list(dict.fromkeys(label for c in batched + single for label in c["rows"] if label != "none"))
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for color, label in enumerate(labels):
+        for cells, style, suffix in ((batched, "-", ""), (single, ":", ", one prompt at a time")):
+            cells = [c for c in cells if label in c["rows"]]
+            if not cells:
+                continue
+            ns = [c["n"] for c in cells]
+            for ax, key in ((ax_tau, "tau"), (ax_speed, "speedup")):
+                ax.plot(ns, [c["rows"][label][key] for c in cells], style, marker="o", color=f"C{color}",
+                        label=label + suffix)
     for ax, title in ((ax_tau, "tau (tokens per forward per sample)"), (ax_speed, "wall-clock speedup over plain")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("samples per question (n)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
-    ax_tau.legend(fontsize=8)
+    ax_speed.legend(fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct, GSM8K, temperature 0.7, {subtitle} (CPU)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,10 +174,11 @@ def main() -> None:
         table = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
         if args.cells:
             cells = [cells[int(i)] for i in args.cells.split(",")]
-        for questions, n, temperature, first, further in cells:
-            rows = run_cell(llm, questions, n, temperature, [first] + further, max_tokens, args.depth)
-            table.append({"questions": questions, "n": n, "temperature": temperature, "rows": rows})
-        table.sort(key=lambda c: (c["temperature"], c["n"]))
+        for questions, n, temperature, first, further, one_at_a_time in cells:
+            rows = run_cell(llm, questions, n, temperature, [first] + further, max_tokens, args.depth, one_at_a_time)
+            table.append({"questions": questions, "n": n, "temperature": temperature, "one_at_a_time": one_at_a_time,
+                          "rows": rows})
+        table.sort(key=lambda c: (c.get("one_at_a_time", False), c["temperature"], c["n"]))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(table, indent=1))
     default_plot = "spec_speedup_quick.png" if args.quick else "spec_speedup.png"
@@ -151,17 +189,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for cell in table:
         for label, r in cell["rows"].items():
-            print(f"| {cell['questions']} x {cell['n']} | {cell['temperature']} | {label} | {r['runs']} | "
+            print(f"| {cell_name(cell)} | {cell['temperature']} | {label} | {r['runs']} | "
                   f"{r['tau']:.2f} | {r['acceptance']:.1%} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | "
                   f"{r['draft_share']:.1%} |")
     for cell in table:
         rows = cell["rows"]
         if "consensus-padded" in rows and "consensus" in rows:
-            print(f"{cell['questions']} x {cell['n']}, T {cell['temperature']}: unpadded / padded "
+            print(f"{cell_name(cell)}, T {cell['temperature']}: unpadded / padded "
                   f"{rows['consensus']['tok_s_runs'][0] / rows['consensus-padded']['tok_s_runs'][0]:.2f}x "
                   "(same fixed drafts, same run)")
         if "ngram" in rows and "consensus" in rows:
-            print(f"{cell['questions']} x {cell['n']}, T {cell['temperature']}: consensus tau / ngram tau "
+            print(f"{cell_name(cell)}, T {cell['temperature']}: consensus tau / ngram tau "
                   f"{rows['consensus']['tau_runs'][0] / rows['ngram']['tau_runs'][0]:.2f}x (same run)")
 
 
