@@ -21,7 +21,7 @@ then ranks every candidate node of the whole batch by that chance and keeps the 
 maximises ``(B + sum of the k chances) / cost``, the cost of the step those k nodes make (its T
 and its Qmax): a node earns its place in the forward only where its expected tokens beat what the
 same compute buys elsewhere. Chances never grow from a node to its children, so the kept nodes
-always form trees.
+always form trees. A step drafts only where the best k beats a plain step by ``MARGIN``.
 
 Sampled drafts must not be pruned by what was drawn (the multi-draft schemes need the drafts
 exactly as sampled from q), so for them the budget picks one draft length L in [0, max] per step
@@ -30,7 +30,8 @@ from per-depth acceptance instead, the L that maximises ``B * (1 + E[accepted | 
 
 The cost samples belong to the engine and outlive a call (they describe the machine and the model,
 plain steps included); while the fit is not identified yet (too few step sizes seen) the budget
-alternates between no draft and a cheap probe.
+alternates between no draft and a cheap probe, and it keeps a few plain steps in the window (see
+``MIN_PLAIN``) so the price of drafting at all stays measured.
 """
 
 from __future__ import annotations
@@ -49,6 +50,19 @@ WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys), keeping the fit well conditioned."""
 PRIOR_WEIGHT = 2.0
 """Pseudo-observations behind each calibration cell's prior (the raw confidence itself)."""
+MARGIN = 1.05
+"""Drafting must promise this much more tokens per second than a plain step. The cost fit is off
+by a few percent either way for any one step shape, and a choice taken whenever the estimate
+says "gain" takes every overestimate with it: the steps where drafting barely pays on paper are
+lost on average. The margin keeps the budget at plain speed there and costs nothing where drafts
+pay well."""
+MIN_PLAIN = 12
+"""Steps without drafts kept among the recent cost samples. The fixed price of a step with drafts
+is told apart from the price of every step only by comparing the two kinds; a window of drafting
+steps alone (a run that drafts every step, or one after fixed-size drafts) leaves it unidentified,
+and a fit that folds it into every step makes drafting look cheaper than it is. So while fewer
+than this many plain steps are in the window, a step drafts nothing: about one step in twenty
+when drafting runs every step."""
 
 
 class DraftBudget:
@@ -109,10 +123,12 @@ class DraftBudget:
         model = self.cost_model()
         if model is None:  # probe: alternate between nothing and the likely half
             keep = sum(1 for c in candidates if -c[0] >= 0.5) if self.steps % 2 else 0
+        elif self.plain_steps() < MIN_PLAIN:
+            keep = 0
         else:
             counts = [1] * batch
             qmax, drafting, gained = 1, 0, float(batch)
-            keep, best_rate = 0, batch / self._cost(model, batch, batch, 1, context)
+            keep, best_rate = 0, MARGIN * batch / self._cost(model, batch, batch, 1, context)
             for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
                 gained -= neg_chance
                 drafting += counts[b] == 1
@@ -149,6 +165,10 @@ class DraftBudget:
         whether it carried any draft token."""
         self.samples.append((tokens, work, seconds, float(speculative)))
 
+    def plain_steps(self) -> int:
+        """Steps without any draft token among the recent cost samples."""
+        return sum(1 for sample in self.samples if not sample[3])
+
     def cost_model(self) -> tuple[float, float, float, float] | None:
         """(fixed, per token, per unit of attention work, extra for a step with drafts) seconds,
         or None while unidentified. The last term is what drafting at all costs a step (the second
@@ -181,10 +201,12 @@ class DraftBudget:
         model = self.cost_model()
         if model is None:
             return 1 if self.steps % 2 else 0
-        best, best_rate = 0, 0.0
-        for length in range(self.max_depth + 1):
+        if self.plain_steps() < MIN_PLAIN:
+            return 0
+        best, best_rate = 0, MARGIN * batch / self._cost(model, batch, batch, 1, context)
+        for length in range(1, self.max_depth + 1):
             gained = batch * (1.0 + self.expected_accepted(length))
             rate = gained / self._cost(model, batch * (1 + length), batch, 1 + length, context)
-            if rate > best_rate * 1.02:  # prefer the shorter draft unless the longer one clearly wins
+            if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
         return best

@@ -5,7 +5,7 @@ from collections import deque
 import pytest
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import DraftBudget
+from multispec.engine.budget import MARGIN, MIN_PLAIN, DraftBudget
 
 CONTEXT = 200
 
@@ -14,8 +14,8 @@ def costs(fixed: float, per_token: float, per_work: float = 0.0, speculative: fl
     """Step timings that follow the cost model exactly, over varied sizes and draft shapes."""
     samples = deque()
     for batch in (8, 16, 32):
-        for context in (100, 300):
-            for qmax, drafting in ((1, 0), (2, batch // 2), (4, batch), (3, 2)):
+        for context in (100, 200, 300):
+            for qmax, drafting in ((1, 0), (2, batch // 2), (1, 0), (4, batch), (3, 2)):
                 tokens = batch + drafting * (qmax - 1)
                 work = DraftBudget.work(batch, qmax, context, drafting)
                 extra = speculative if qmax > 1 else 0.0
@@ -38,8 +38,8 @@ def test_cost_model_recovers_the_four_terms():
 
 
 def test_a_fixed_price_for_drafting_at_all_stops_a_few_unsure_drafts():
-    """One likely node in a batch of 32: worth a token, not worth the fixed cost of a step with drafts."""
-    trees = [chain([0.85])] + [DraftTree.EMPTY] * 31
+    """One likely node in a batch of 8: worth a token, not worth the fixed cost of a step with drafts."""
+    trees = [chain([0.85])] + [DraftTree.EMPTY] * 7
     assert len(DraftBudget(4, costs(0.05, 0.002)).select(trees, CONTEXT)[0]) == 1
     assert len(DraftBudget(4, costs(0.05, 0.002, speculative=0.01)).select(trees, CONTEXT)[0]) == 0
 
@@ -130,3 +130,40 @@ def test_unidentified_cost_probes_with_the_likely_nodes():
     trees = [chain([0.995, 0.3])]
     picks = [len(budget.select(trees, CONTEXT)[0]) for _ in range(4)]
     assert sorted(set(picks)) == [0, 1]
+
+
+def test_a_window_without_plain_steps_gets_plain_steps_before_drafting_again():
+    """After fixed-size drafts (every recent step drafted) the fixed price of drafting at all cannot
+    be told from the price of any step: a fit that folds it into every step would call drafting
+    cheap. The budget drafts nothing until the window holds ``MIN_PLAIN`` plain steps again, then
+    keeps about that many: a small share of steps where drafting pays on every step."""
+    true_cost = (0.2, 0.0001, 0.0, 0.01)  # overhead-bound: whole trees pay
+    window = deque([s for s in costs(*true_cost) if s[3]] * 4, maxlen=256)
+    budget = DraftBudget(4, window)
+    kept = []
+    for step in range(400):
+        batch = 6 + step % 3  # sizes vary, as samples finish, so the fit stays identified
+        picked = budget.select([chain([0.995, 0.995, 0.9])] * batch, CONTEXT)
+        tokens = batch + sum(len(t) for t in picked)
+        qmax = 1 + max(len(t) for t in picked)
+        work = DraftBudget.work(batch, qmax, CONTEXT, sum(1 for t in picked if len(t)))
+        seconds = true_cost[0] + true_cost[1] * tokens + (true_cost[3] if qmax > 1 else 0.0)
+        budget.record_forward(tokens, work, seconds, speculative=qmax > 1)
+        kept.append(sum(len(t) for t in picked))
+    assert kept[:MIN_PLAIN] == [0] * MIN_PLAIN  # the first steps are plain until the window has enough
+    assert kept[MIN_PLAIN] == 3 * (6 + MIN_PLAIN % 3)  # then whole trees, since they pay
+    later = kept[MIN_PLAIN:]
+    assert 0 < later.count(0) <= len(later) * MIN_PLAIN / 256 + 2  # and a few plain steps keep it measured
+    assert budget.plain_steps() >= MIN_PLAIN - 1
+
+
+def test_drafting_that_barely_pays_on_paper_is_left_out():
+    """A node whose expected gain beats its cost by less than the margin is not drafted; the
+    same node in a batch where it clearly pays is."""
+    model_costs = costs(fixed=0.05, per_token=0.002)  # a token costs 4% of a plain 8-sample step
+    budget = DraftBudget(4, model_costs)
+    barely = [chain([0.5])] + [DraftTree.EMPTY] * 7  # 0.5 / 8 = 6% more tokens for 3% more time
+    clearly = [chain([0.995])] + [DraftTree.EMPTY] * 7
+    assert (0.5 / 8 + 1) / (1 + 0.002 / 0.066) < MARGIN  # the case is what its name says
+    assert len(budget.select(barely, CONTEXT)[0]) == 0
+    assert len(budget.select(clearly, CONTEXT)[0]) == 1
