@@ -18,7 +18,7 @@ Checked against live runs of the engine (8 x 16, T 0.7, 4-token chains): replay 
 first match 1.61, consensus 1.76; live (benchmarks/bench_spec.py) 1.57, 1.65, 1.76.
 
     python benchmarks/bench_replay.py [--questions 8] [--n 16] [--temperature 0.7] [--seeds 0 1]
-                                      [--budgets 4:4 6:6 8:6 12:6 16:8]
+                                      [--budgets 4:4 6:6 8:6 12:6 16:8] [--coverage]
 """
 
 from __future__ import annotations
@@ -110,6 +110,44 @@ def replay(groups: list[dict], kind: str, depth: int, nodes: int, **options) -> 
     return {"tau": advance / steps, "acceptance": hits / max(drafted, 1), "steps": steps}
 
 
+def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
+    """What the sources offer for the next token, replaying consensus drafts (shares of steps): no
+    source continues the sample's last tokens; the next token is among the first tokens offered;
+    the draft's first token is the next token; and the mean target probability of the token
+    sampled (a floor for how often the target's own most likely token would be right)."""
+    from multispec.drafters import make_drafter
+    from multispec.drafters.lookup import find_continuations
+
+    counts = {"no source": 0.0, "next token offered": 0.0, "first draft token right": 0.0, "p(sampled)": 0.0}
+    steps = 0
+    for group in groups:
+        drafter = make_drafter("consensus", vocab_size=49152, max_depth=depth, max_nodes=nodes)
+        texts = [s for s in group["samples"] if s["tokens"]]
+        ids = list(range(len(texts)))
+        drafter.add_group(0, group["prompt"], ids)
+        done = [1] * len(texts)
+        for i in ids:
+            drafter.observe(i, texts[i]["tokens"][:1])
+        live = [i for i in ids if done[i] < len(texts[i]["tokens"])]
+        while live:
+            trees = drafter.propose(live, [nodes] * len(live))
+            offered = [find_continuations(drafter._samples[i].text, drafter._samples[i].lookup, depth, False, 10**6)
+                       for i in live]  # every source, before any sample of the step moves on
+            for i, tree, continuations in zip(live, trees, offered):
+                tokens, probs = texts[i]["tokens"], texts[i]["probs"]
+                following = tokens[done[i]]
+                steps += 1
+                counts["no source"] += not continuations
+                counts["next token offered"] += any(c[0][0] == following for c in continuations)
+                counts["first draft token right"] += bool(tree.tokens) and tree.tokens[0] == following
+                counts["p(sampled)"] += probs[done[i]]
+                take = min(accepted(tree, tokens, done[i]) + 1, len(tokens) - done[i])
+                drafter.observe(i, tokens[done[i]:done[i] + take], probs[done[i]:done[i] + take])
+                done[i] += take
+            live = [i for i in live if done[i] < len(texts[i]["tokens"])]
+    return {key: value / steps for key, value in counts.items()}
+
+
 VARIANTS = {
     "ngram": ("ngram", {}),
     "consensus-first-match": ("consensus", {"aggregate": False}),
@@ -127,6 +165,8 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", default=["4:4"],
                         help="draft sizes as NODES:DEPTH, e.g. 4:4 6:6 8:6 12:6 16:8")
     parser.add_argument("--cache", default=str(ROOT / "results" / "replay"))
+    parser.add_argument("--coverage", action="store_true",
+                        help="also print what the sources offer for the next token (consensus, 4:4)")
     args = parser.parse_args()
     budgets = [tuple(int(x) for x in b.split(":")) for b in args.budgets]
     recordings = []
@@ -149,6 +189,10 @@ def main() -> None:
             cells.append(f"{taus[name]:.3f} ({statistics.mean(r['acceptance'] for r in rows):.1%})")
         print(f"| {nodes}:{depth} | " + " | ".join(cells) + f" | {taus['consensus'] / taus['ngram']:.3f}x |",
               flush=True)
+    if args.coverage:
+        shares = [coverage(groups) for groups in recordings]
+        print("\nshares of steps (consensus, 4:4): " + ", ".join(
+            f"{key} {statistics.mean(s[key] for s in shares):.1%}" for key in shares[0]))
 
 
 if __name__ == "__main__":

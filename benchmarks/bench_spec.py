@@ -101,8 +101,8 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
                 "forwards": s.decode_forwards, "tokens": s.generated_tokens,
                 "draft_share": s.time_draft / step_time if step_time else 0.0,
                 "forward_tokens_per_step": s.forward_tokens / max(s.decode_forwards, 1)})
-            print(f"  q={questions}{'(1 at a time)' if one_at_a_time else ''} n={n} T={temperature} run {run} {label:<22} {s.tokens_per_second:7.1f} tok/s "
-                  f"tau {s.tau:.2f}", file=sys.stderr)
+            where = f"q={questions}{' (1 at a time)' if one_at_a_time else ''} n={n} T={temperature} run {run}"
+            print(f"  {where} {label:<22} {s.tokens_per_second:7.1f} tok/s tau {s.tau:.2f}", file=sys.stderr)
     summary = {}
     for label, rows in results.items():
         summary[label] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
