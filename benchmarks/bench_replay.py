@@ -79,8 +79,11 @@ def accepted(tree, text: list[int], at: int) -> int:
     return best
 
 
-def replay(groups: list[dict], kind: str, depth: int, nodes: int, **options) -> dict:
-    """Replays every group through a fresh drafter; tau and acceptance per drafted token."""
+def replay(groups: list[dict], kind: str, depth: int, nodes: int, inspect=None, **options) -> dict:
+    """Replays every group through a fresh drafter; tau and acceptance per drafted token.
+
+    ``inspect(drafter, live, trees, texts, done)``, if given, sees each step after the drafts are
+    proposed and before any sample of the step moves on."""
     from multispec.drafters import make_drafter
 
     advance, steps, drafted, hits = 0, 0, 0, 0
@@ -96,6 +99,8 @@ def replay(groups: list[dict], kind: str, depth: int, nodes: int, **options) -> 
         live = [i for i in ids if done[i] < len(texts[i]["tokens"])]
         while live:
             trees = drafter.propose(live, [nodes] * len(live))
+            if inspect is not None:
+                inspect(drafter, live, trees, texts, done)
             for i, tree in zip(live, trees):
                 tokens, probs = texts[i]["tokens"], texts[i]["probs"]
                 gain = accepted(tree, tokens, done[i])
@@ -115,36 +120,21 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
     source continues the sample's last tokens; the next token is among the first tokens offered;
     the draft's first token is the next token; and the mean target probability of the token
     sampled (a floor for how often the target's own most likely token would be right)."""
-    from multispec.drafters import make_drafter
     from multispec.drafters.lookup import find_continuations
 
     counts = {"no source": 0.0, "next token offered": 0.0, "first draft token right": 0.0, "p(sampled)": 0.0}
-    steps = 0
-    for group in groups:
-        drafter = make_drafter("consensus", vocab_size=49152, max_depth=depth, max_nodes=nodes)
-        texts = [s for s in group["samples"] if s["tokens"]]
-        ids = list(range(len(texts)))
-        drafter.add_group(0, group["prompt"], ids)
-        done = [1] * len(texts)
-        for i in ids:
-            drafter.observe(i, texts[i]["tokens"][:1])
-        live = [i for i in ids if done[i] < len(texts[i]["tokens"])]
-        while live:
-            trees = drafter.propose(live, [nodes] * len(live))
-            offered = [find_continuations(drafter._samples[i].text, drafter._samples[i].lookup, depth, False, 10**6)
-                       for i in live]  # every source, before any sample of the step moves on
-            for i, tree, continuations in zip(live, trees, offered):
-                tokens, probs = texts[i]["tokens"], texts[i]["probs"]
-                following = tokens[done[i]]
-                steps += 1
-                counts["no source"] += not continuations
-                counts["next token offered"] += any(c[0][0] == following for c in continuations)
-                counts["first draft token right"] += bool(tree.tokens) and tree.tokens[0] == following
-                counts["p(sampled)"] += probs[done[i]]
-                take = min(accepted(tree, tokens, done[i]) + 1, len(tokens) - done[i])
-                drafter.observe(i, tokens[done[i]:done[i] + take], probs[done[i]:done[i] + take])
-                done[i] += take
-            live = [i for i in live if done[i] < len(texts[i]["tokens"])]
+
+    def inspect(drafter, live, trees, texts, done):
+        for i, tree in zip(live, trees):
+            sample = drafter._samples[i]
+            continuations = find_continuations(sample.text, sample.lookup, depth, False, 10**6)  # every source
+            following = texts[i]["tokens"][done[i]]
+            counts["no source"] += not continuations
+            counts["next token offered"] += any(c[0][0] == following for c in continuations)
+            counts["first draft token right"] += bool(tree.tokens) and tree.tokens[0] == following
+            counts["p(sampled)"] += texts[i]["probs"][done[i]]
+
+    steps = replay(groups, "consensus", depth, nodes, inspect=inspect)["steps"]
     return {key: value / steps for key, value in counts.items()}
 
 

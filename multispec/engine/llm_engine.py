@@ -323,8 +323,9 @@ class Engine:
             paths = [list(out.accepted_nodes[k]) for k in range(len(members))]
             local_rows, local_tokens, row_base = [], [], 0
             for k, b in enumerate(members):
-                local_rows += [row_base] + [row_base + 1 + j for j in paths[k]]
-                local_tokens += [step.trees[b].tokens[j] for j in paths[k]] + [bonus[k]]
+                tokens, rows = _appended(step.trees[b], paths[k], bonus[k])
+                local_rows += [row_base + r for r in rows]
+                local_tokens += tokens
                 row_base += counts[b]
             appended = probs[torch.tensor(local_rows), torch.tensor(local_tokens)].tolist()
             start = 0
@@ -349,12 +350,7 @@ class Engine:
         entries past its own acceptance stay behind as masked filler.
         """
         # Log-probabilities of every appended token in one gather: rows of the packed batch.
-        appended = []
-        for b, sample in enumerate(step.samples):
-            path, bonus, _ = results[b]
-            tokens = [step.trees[b].tokens[j] for j in path] + [bonus]
-            rows = [0] + [1 + j for j in path]
-            appended.append((tokens, rows))
+        appended = [_appended(tree, path, bonus) for tree, (path, bonus, _) in zip(step.trees, results)]
         flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(appended) for r in rows])
         flat_tokens = torch.tensor([t for tokens, _ in appended for t in tokens])
         logsumexp = torch.logsumexp(logits, -1)
@@ -475,6 +471,12 @@ def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tup
             kept[depth] += 1
             node = path[depth - 1]
     return tried, kept
+
+
+def _appended(tree: DraftTree, path: list[int], bonus: int) -> tuple[list[int], list[int]]:
+    """The tokens a sample appends (its accepted nodes, then the bonus) and, for each, the row of
+    the sample's forward rows (0 = its last token, 1 + j = node j) whose distribution it follows."""
+    return [tree.tokens[j] for j in path] + [bonus], [0] + [1 + j for j in path]
 
 
 def _admit(waiting: deque[Request], free_prompt_slots: int, free_sample_slots: int) -> list[Request]:
