@@ -62,7 +62,9 @@ def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_
     seconds, imported, path = out.stdout.split()
     assert imported == "False"
     assert Path(path) == default_checkpoint.path  # read from the cache, not converted again
-    assert float(seconds) < 3.0
+    # Loads from the cache take 2-3 s here (mostly importing torch); a fresh conversion imports
+    # transformers and writes a new file, which the two checks above catch whatever the timing.
+    assert float(seconds) < 6.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
