@@ -1,7 +1,8 @@
 """Drafter quality on the default model's own samples, replayed without the model.
 
 Step 1 (once, cached): plain sampling of GSM8K questions in the chat template records every
-sample's tokens and the target probability of each (what the engine hands its drafter).
+sample's tokens, the target probability of each and the target's 8 most likely tokens at each
+position (what the engine hands its drafter).
 Step 2 (seconds per drafter): the samples are replayed through a drafter as the engine would run
 it. Each step every live sample proposes a tree from its prefix and its siblings' prefixes, and
 advances by the longest path of the tree that its recorded text follows, plus one token.
@@ -32,8 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RECORDED_ALTERNATIVES = 8
+
+
 def record(questions: int, n: int, temperature: float, max_tokens: int, seed: int) -> list[dict]:
-    """Plain samples with their target probabilities: [{prompt, samples: [{tokens, probs}]}]."""
+    """Plain samples with their target probabilities and most likely tokens:
+    [{prompt, samples: [{tokens, probs, alternatives: [[tokens, probs], ...]}]}]."""
     import multispec.engine.llm_engine as llm_engine
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.drafters import NoDrafter
@@ -44,16 +49,19 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
     owner: dict[int, dict] = {}
 
     class Recorder(NoDrafter):
+        alternatives = RECORDED_ALTERNATIVES
+
         def add_group(self, group_id, prompt_ids, sample_ids):
             group = groups.setdefault(len(groups), {"prompt": list(prompt_ids), "samples": []})
             for sample_id in sample_ids:
-                owner[sample_id] = {"tokens": [], "probs": []}
+                owner[sample_id] = {"tokens": [], "probs": [], "alternatives": []}
                 group["samples"].append(owner[sample_id])
 
-        def observe(self, sample_id, new_tokens, token_probs=None):
+        def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
             entry = owner[sample_id]
             entry["tokens"].extend(new_tokens)
             entry["probs"].extend(token_probs if token_probs is not None else [-1.0] * len(new_tokens))
+            entry["alternatives"].extend(alternatives if alternatives is not None else [None] * len(new_tokens))
 
     made = llm_engine.make_drafter
     llm_engine.make_drafter = lambda kind, **kw: Recorder() if kind == "none" else made(kind, **kw)
@@ -94,7 +102,7 @@ def replay(groups: list[dict], kind: str, depth: int, nodes: int, inspect=None, 
         drafter.add_group(0, group["prompt"], ids)
         done = [0] * len(texts)
         for i in ids:  # the first token comes from the prefill, as in the engine
-            drafter.observe(i, texts[i]["tokens"][:1])
+            drafter.observe(i, texts[i]["tokens"][:1], texts[i]["probs"][:1], texts[i]["alternatives"][:1])
             done[i] = 1
         live = [i for i in ids if done[i] < len(texts[i]["tokens"])]
         while live:
@@ -102,10 +110,11 @@ def replay(groups: list[dict], kind: str, depth: int, nodes: int, inspect=None, 
             if inspect is not None:
                 inspect(drafter, live, trees, texts, done)
             for i, tree in zip(live, trees):
-                tokens, probs = texts[i]["tokens"], texts[i]["probs"]
+                tokens, probs, alternatives = texts[i]["tokens"], texts[i]["probs"], texts[i]["alternatives"]
                 gain = accepted(tree, tokens, done[i])
                 take = min(gain + 1, len(tokens) - done[i])
-                drafter.observe(i, tokens[done[i]:done[i] + take], probs[done[i]:done[i] + take])
+                window = slice(done[i], done[i] + take)
+                drafter.observe(i, tokens[window], probs[window], alternatives[window])
                 done[i] += take
                 advance += gain + 1
                 steps += 1
@@ -141,6 +150,7 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
 VARIANTS = {
     "ngram": ("ngram", {}),
     "consensus-first-match": ("consensus", {"aggregate": False}),
+    "consensus-hard-votes": ("consensus", {"alternatives": 0}),
     "consensus": ("consensus", {}),
 }
 
@@ -161,7 +171,8 @@ def main() -> None:
     budgets = [tuple(int(x) for x in b.split(":")) for b in args.budgets]
     recordings = []
     for seed in args.seeds:
-        path = Path(args.cache) / f"q{args.questions}_n{args.n}_T{args.temperature}_t{args.max_tokens}_s{seed}.json"
+        name = f"q{args.questions}_n{args.n}_T{args.temperature}_t{args.max_tokens}_s{seed}_a{RECORDED_ALTERNATIVES}"
+        path = Path(args.cache) / f"{name}.json"
         if not path.exists():
             print(f"recording {path.name} (plain sampling)...", file=sys.stderr)
             path.parent.mkdir(parents=True, exist_ok=True)

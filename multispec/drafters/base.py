@@ -60,13 +60,21 @@ DraftTree.EMPTY = DraftTree([], [], None)
 
 
 class Drafter(Protocol):
-    """Proposes draft trees for samples and learns from what they actually produced."""
+    """Proposes draft trees for samples and learns from what they actually produced.
+
+    ``alternatives``: how many of the target's most likely tokens (with their probabilities) the
+    drafter wants with every observed token; the engine computes them only when it is > 0.
+    """
+
+    alternatives: int
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         """A prompt and its sibling samples (ids unique across live groups); samples start empty."""
 
-    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None) -> None:
-        """Tokens appended to a sample, optionally with the target's probability of each."""
+    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None,
+                alternatives: list[tuple[list[int], list[float]]] | None = None) -> None:
+        """Tokens appended to a sample, optionally with the target's probability of each and the
+        target's most likely tokens and their probabilities at each token's position."""
 
     def remove(self, sample_id: int) -> None:
         """The sample finished: it stops proposing but its text stays a source for its siblings."""
@@ -79,10 +87,13 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding through the same step loop: every draft is empty."""
 
+    alternatives = 0
+
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         pass
 
-    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None) -> None:
+    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None,
+                alternatives: list[tuple[list[int], list[float]]] | None = None) -> None:
         pass
 
     def remove(self, sample_id: int) -> None:

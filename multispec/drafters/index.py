@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 UNKNOWN = -1.0
 """Stands for a probability that was never computed."""
 
+Alternatives = tuple[list[int], list[float]]
+"""The target's most likely tokens at one position and their probabilities, most likely first."""
+
 Occurrence = tuple["Text", int]
 """A source and the end position of an n-gram in it: its continuation starts at that position."""
 
@@ -19,23 +22,31 @@ Occurrence = tuple["Text", int]
 @dataclass(eq=False)
 class Text:
     """A growing token sequence, with the target's probability of each token (``UNKNOWN`` where
-    not computed: prompts, and tokens appended without probabilities).
+    not computed: prompts, and tokens appended without probabilities) and, where the engine passed
+    them, the target's most likely tokens at each position (None where not).
 
     Compared and hashed by identity, so a lookup can tell sources apart cheaply.
     """
 
     tokens: list[int]
     probs: list[float] = field(default_factory=list)
+    alternatives: list[Alternatives | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.probs:
             self.probs = [UNKNOWN] * len(self.tokens)
+        if not self.alternatives:
+            self.alternatives = [None] * len(self.tokens)
 
-    def extend(self, tokens: list[int], probs: list[float] | None) -> None:
+    def extend(self, tokens: list[int], probs: list[float] | None,
+               alternatives: list[Alternatives] | None = None) -> None:
         if probs is not None and len(probs) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens but {len(probs)} probabilities")
+        if alternatives is not None and len(alternatives) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(alternatives)} sets of alternatives")
         self.tokens.extend(tokens)
         self.probs.extend(probs if probs is not None else [UNKNOWN] * len(tokens))
+        self.alternatives.extend(alternatives if alternatives is not None else [None] * len(tokens))
 
 
 class NgramIndex:

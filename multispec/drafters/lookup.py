@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from multispec.drafters.index import NgramIndex, Text
+from multispec.drafters.index import Alternatives, NgramIndex, Text
 
-Continuation = tuple[list[int], list[float], float, int]
-"""Tokens that followed a match, the target's probabilities of those tokens, the vote weight, and
-the length of the match."""
+Continuation = tuple[list[int], list[float], float, int, list[Alternatives | None]]
+"""Tokens that followed a match, the target's probabilities of those tokens, the vote weight, the
+length of the match, and the target's most likely tokens at the first ``ALTERNATIVE_DEPTH`` of
+those positions (None where not kept)."""
+
+ALTERNATIVE_DEPTH = 2
+"""Positions of a continuation whose alternatives vote. Deeper ones hang under paths already
+discounted by every probability on the way and almost never make a draft: on the default model's
+GSM8K samples (``benchmarks/bench_replay.py``, 8 x 16, T 0.7) they add 0.0-0.4% to tau and cost
+half the drafter's time."""
 
 LENGTH_DECAY = 0.25
 """Weight ratio of an (n-1)-gram match to an n-gram match: a longer shared context is stronger
@@ -39,7 +46,8 @@ def find_continuations(text: Text, indexes: list[NgramIndex], depth: int, first_
                 if source in voted or end >= len(source.tokens):
                     continue
                 stop = end + depth
-                votes.append((source.tokens[end:stop], source.probs[end:stop], weight, n))
+                votes.append((source.tokens[end:stop], source.probs[end:stop], weight, n,
+                              source.alternatives[end:min(stop, end + ALTERNATIVE_DEPTH)]))
                 if first_only or len(votes) == max_votes:
                     return votes
                 voted.add(source)

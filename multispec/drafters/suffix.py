@@ -15,9 +15,22 @@ from typing import Iterator
 import torch
 
 from multispec.drafters.base import DraftTree
-from multispec.drafters.index import NgramIndex, Text
+from multispec.drafters.index import Alternatives, NgramIndex, Text
 from multispec.drafters.lookup import find_continuations
 from multispec.drafters.trie import Trie
+
+
+MIN_ALTERNATIVE = 0.05
+"""Alternatives less likely than this are not kept: they are almost never worth a draft node, and
+every kept one costs a trie insertion per vote that reaches it."""
+
+
+def _likely(alternatives: Alternatives, keep: int) -> Alternatives | None:
+    tokens, probs = alternatives
+    n = 0
+    while n < min(keep, len(probs)) and probs[n] >= MIN_ALTERNATIVE:
+        n += 1
+    return (tokens[:n], probs[:n]) if n else None
 
 
 @dataclass(eq=False)
@@ -34,16 +47,20 @@ class SuffixDrafter:
 
     ``max_matches``: occurrences of an n-gram kept and examined per lookup (the most recent);
     ``max_votes``: continuations aggregated per draft. Both bound a step's cost whatever the
-    number of siblings and the length of their texts.
+    number of siblings and the length of their texts. ``alternatives``: how many of the target's
+    most likely tokens per position the drafter keeps from ``observe`` (soft votes, see ``trie``);
+    0 keeps none.
     """
 
     share_siblings: bool
 
     def __init__(self, *, vocab_size: int, max_depth: int, max_nodes: int, sampled: bool, aggregate: bool,
-                 max_ngram: int, min_ngram: int, num_drafts: int | None, max_matches: int, max_votes: int):
-        if max_depth < 1 or max_nodes < 0 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need max_depth >= 1, max_nodes >= 0, 1 <= min_ngram <= max_ngram; got "
-                             f"{max_depth}, {max_nodes}, {min_ngram}, {max_ngram}")
+                 max_ngram: int, min_ngram: int, num_drafts: int | None, max_matches: int, max_votes: int,
+                 alternatives: int = 0):
+        if max_depth < 1 or max_nodes < 0 or not 1 <= min_ngram <= max_ngram or alternatives < 0:
+            raise ValueError(f"need max_depth >= 1, max_nodes >= 0, 1 <= min_ngram <= max_ngram, alternatives >= 0; "
+                             f"got {max_depth}, {max_nodes}, {min_ngram}, {max_ngram}, {alternatives}")
+        self.alternatives = alternatives
         self.vocab_size = vocab_size
         self.max_depth = max_depth
         self.max_nodes = max_nodes
@@ -72,10 +89,16 @@ class SuffixDrafter:
             index.add(text, len(prompt_ids))
             self._samples[sample_id] = _Sample(text, index, [index, prompt_index])
 
-    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None) -> None:
+    def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None,
+                alternatives: list[Alternatives] | None = None) -> None:
         sample = self._samples[sample_id]
         start = len(sample.text.tokens)
-        sample.text.extend(new_tokens, token_probs)
+        if alternatives is not None and self.alternatives:
+            keep = self.alternatives
+            alternatives = [None if a is None else _likely(a, keep) for a in alternatives]
+        else:
+            alternatives = None
+        sample.text.extend(new_tokens, token_probs, alternatives)
         sample.index.add(sample.text, start + 1)
 
     def remove(self, sample_id: int) -> None:

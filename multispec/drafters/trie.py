@@ -2,21 +2,24 @@
 
 A node's weight is the summed weight of the votes whose continuation passes through it, each
 vote's weight multiplied by the target's probability of every token on the way (where known):
-an estimate of how likely the sample is to produce that path. Weights never increase from a node
-to its children (votes only drop out, probabilities are at most 1), which makes "the m heaviest
-nodes" a valid tree and, for deterministic drafts, the tree with the most accepted tokens expected
-under that estimate.
+an estimate of how likely the sample is to produce that path. Where a source also kept the
+target's most likely tokens at a position (its *alternatives*), its vote is soft there: besides the
+token the source took, each alternative becomes a child weighted by its probability, so a token
+that the sources' target distributions favour can be drafted even where no source happened to
+sample it, and a source that sampled an unlikely token does not pull the draft after it.
+Weights never increase from a node to its children (votes only drop out, probabilities sum to at
+most 1), which makes "the m heaviest nodes" a valid tree and, for deterministic drafts, the tree
+with the most accepted tokens expected under that estimate.
 
-An unknown probability (prompt text) counts as 1 in the weights. Each node also keeps, over the
-votes whose probabilities are all known up to it, their mass and their weight; the ratio is the
-mean probability, over the sources that continue this way, of the path to the node in the source's
-own context. Divided by the parent's, it is the drafter's estimate of the target's probability of
-the node's token given that the source's continuation is the right one. Times the share of the
-parent's votes that continue with this node, it is the drafter's ``confidence`` in the node: a
-mixture estimate: a confident source that its siblings contradict is usually wrong, and sources
-that agree are usually right however many of them there are. How well it predicts acceptance is
-measured by ``benchmarks/bench_calibration.py``. The longest match behind each node is kept as
-its ``evidence``.
+An unknown probability (prompt text) counts as 1 in the weights. A node's ``confidence`` is the
+drafter's estimate of the target's probability of its token given its parent's path: the mixture,
+over the sources whose continuation reaches the parent (each with its vote), of each source's
+probability of that token in its own context: the alternatives' probabilities where kept, the
+probability of the token it took, 0 for a token it gives no probability, and ``UNKNOWN_CONFIDENCE``
+for a token it took whose probability nobody computed. A confident source that its siblings
+contradict is usually wrong, and sources that agree are usually right however many of them there
+are. How well it predicts acceptance is measured by ``benchmarks/bench_calibration.py``. The
+longest match behind each node is kept as its ``evidence``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Iterator
 import torch
 
 from multispec.drafters.base import DraftTree
-from multispec.drafters.index import UNKNOWN
+from multispec.drafters.index import UNKNOWN, Alternatives
 from multispec.drafters.lookup import Continuation
 
 ROOT = 0
@@ -43,53 +46,65 @@ class Trie:
 
     def __init__(self, continuations: list[Continuation]):
         self.token = [-1]
-        self.weight = [0.0]
-        self.known_votes = [1.0]
-        self.known_weight = [1.0]
-        self.evidence = [0]
-        self.votes = [0.0]
         self.children: list[dict[int, int]] = [{}]
+        # Per node [weight, mass, reach, evidence]: one list per node keeps building the trie cheap.
+        # mass: summed vote times the source's probability of the node's token (the confidence
+        # numerator); reach: summed votes of the sources whose continuation passes through the node.
+        self.stats: list[list[float]] = [[0.0, 0.0, 0.0, 0]]
         self._distributions: dict[int, tuple[list[int], list[float], list[float]]] = {}
-        for tokens, probs, weight, match in continuations:
-            self._insert(tokens, probs, weight, match)
+        for tokens, probs, vote, match, alternatives in continuations:
+            self._insert(tokens, probs, vote, match, alternatives)
 
-    def _insert(self, tokens: list[int], probs: list[float], vote: float, match: int) -> None:
+    def _insert(self, tokens: list[int], probs: list[float], vote: float, match: int,
+                alternatives: list[Alternatives | None]) -> None:
+        token_of, children, stats = self.token, self.children, self.stats
         node = ROOT
+        stats[ROOT][2] += vote
         weight = vote
         known = True
-        for token, prob in zip(tokens, probs):
-            known = known and prob != UNKNOWN
-            if known:
+        soft = len(alternatives)
+        for depth, (token, prob) in enumerate(zip(tokens, probs)):
+            kids = children[node]
+            alternative = alternatives[depth] if depth < soft else None
+            if alternative is not None:
+                for other, p in zip(*alternative):
+                    if other == token or p <= 0.0:
+                        continue
+                    child = kids.get(other)
+                    if child is None:
+                        child = kids[other] = len(token_of)
+                        token_of.append(other)
+                        children.append({})
+                        stats.append([0.0, 0.0, 0.0, 0])
+                    entry = stats[child]
+                    entry[0] += weight * p
+                    entry[1] += vote * p
+                    if match > entry[3]:
+                        entry[3] = match
+            if prob == UNKNOWN:
+                known = False
+                prob = UNKNOWN_CONFIDENCE
+            elif known:
                 weight *= prob
-            child = self.children[node].get(token)
+            child = kids.get(token)
             if child is None:
-                child = len(self.token)
-                self.children[node][token] = child
-                self.token.append(token)
-                self.weight.append(0.0)
-                self.known_votes.append(0.0)
-                self.known_weight.append(0.0)
-                self.evidence.append(0)
-                self.votes.append(0.0)
-                self.children.append({})
-            self.weight[child] += weight
-            if known:
-                self.known_votes[child] += vote
-                self.known_weight[child] += weight
-            self.evidence[child] = max(self.evidence[child], match)
-            self.votes[child] += vote
+                child = kids[token] = len(token_of)
+                token_of.append(token)
+                children.append({})
+                stats.append([0.0, 0.0, 0.0, 0])
+            entry = stats[child]
+            entry[0] += weight
+            entry[1] += vote * prob
+            entry[2] += vote
+            if match > entry[3]:
+                entry[3] = match
             node = child
 
     def confidence(self, node: int, parent: int) -> float:
-        """Estimated target probability of ``node``'s token after ``parent``'s path: the share of
-        the parent's votes that continue with it, times the mean probability those votes give it
-        (taken as 1/2 where none knows it)."""
-        share = self.votes[node] / sum(self.votes[c] for c in self.children[parent].values())
-        if self.known_votes[node] == 0 or self.known_votes[parent] == 0:
-            return share * UNKNOWN_CONFIDENCE
-        above = self.known_weight[parent] / self.known_votes[parent]
-        below = self.known_weight[node] / self.known_votes[node]
-        return share * min(1.0, below / above) if above > 0 else 0.0
+        """Estimated target probability of ``node``'s token after ``parent``'s path: the vote-weighted
+        mean, over the sources that reach the parent, of each one's probability of the token."""
+        reach = self.stats[parent][2]
+        return min(1.0, self.stats[node][1] / reach) if reach > 0 else 0.0
 
     def heaviest(self, budget: int) -> DraftTree:
         """The ``budget`` heaviest nodes, by best-first expansion (parents always come first)."""
@@ -97,7 +112,7 @@ class Trie:
         parents: list[int] = []
         confidence: list[float] = []
         evidence: list[int] = []
-        frontier = [(-self.weight[c], c, -1, ROOT) for c in self.children[ROOT].values()]
+        frontier = [(-self.stats[c][0], c, -1, ROOT) for c in self.children[ROOT].values()]
         heapq.heapify(frontier)
         while frontier and len(tokens) < budget:
             _, node, parent, parent_node = heapq.heappop(frontier)
@@ -105,9 +120,9 @@ class Trie:
             tokens.append(self.token[node])
             parents.append(parent)
             confidence.append(self.confidence(node, parent_node))
-            evidence.append(self.evidence[node])
+            evidence.append(int(self.stats[node][3]))
             for child in self.children[node].values():
-                heapq.heappush(frontier, (-self.weight[child], child, local, node))
+                heapq.heappush(frontier, (-self.stats[child][0], child, local, node))
         return DraftTree(tokens, parents, None, confidence, evidence)
 
     def distribution(self, node: int) -> tuple[list[int], list[float], list[float]]:
@@ -119,8 +134,8 @@ class Trie:
         cached = self._distributions.get(node)
         if cached is None:
             kids = self.children[node]
-            total = sum(self.weight[c] for c in kids.values())
-            rounded = array("f", (self.weight[c] / total for c in kids.values())) if total > 0 else []
+            total = sum(self.stats[c][0] for c in kids.values())
+            rounded = array("f", (self.stats[c][0] / total for c in kids.values())) if total > 0 else []
             kept = [(token, prob) for token, prob in zip(kids, rounded) if prob > 0.0]
             probs = [prob for _, prob in kept]
             cached = ([token for token, _ in kept], probs, list(accumulate(probs)))

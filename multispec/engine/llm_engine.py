@@ -154,9 +154,11 @@ class Engine:
                         next_sample_id += request.params.n
                         drafter.add_group(request.prompt_slot, request.prompt_ids,
                                           [s.sample_id for s in request.samples])
-                    new = self._prefill(admitted, cache, stats)
-                    for sample in new:
-                        drafter.observe(sample.sample_id, sample.output_ids)
+                    new, seen = self._prefill(admitted, cache, stats, drafter.alternatives)
+                    for sample, (token_probs, alternatives) in zip(new, seen):
+                        added = len(sample.output_ids)
+                        drafter.observe(sample.sample_id, sample.output_ids, token_probs[:added],
+                                        None if alternatives is None else alternatives[:added])
                     slots.extend(new)
                     done = self._retire(slots, cache, drafter)
                     if on_step:
@@ -170,8 +172,11 @@ class Engine:
         stats.generated_tokens = sum(len(s.output_ids) for r in requests for s in r.samples)
         return [self._output(r) for r in requests], stats
 
-    def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats) -> list[Sample]:
-        """One forward over the admitted prompts; each prompt's last row seeds its n samples."""
+    def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats, alternatives: int = 0):
+        """One forward over the admitted prompts; each prompt's last row seeds its n samples.
+
+        Returns the new samples and, for each, what the drafter is told about its first token: the
+        target's probability of it and (``alternatives`` > 0) the target's most likely tokens."""
         t0 = time.perf_counter()
         token_ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
         positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
@@ -180,17 +185,19 @@ class Engine:
         logits = self.model(token_ids, positions, attention, logit_rows=last_rows)
         probs = target_probs(logits, *self._params_rows(requests))
         logprobs = torch.log_softmax(logits, -1)
-        samples = []
+        samples, seen = [], []
+        top = _top(probs, alternatives)
         for row, request in enumerate(requests):
             first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
             for sample, token in zip(request.samples, first.tolist()):
                 self._append(sample, [token], [float(logprobs[row, token])], logprobs[row:row + 1])
                 samples.append(sample)
+                seen.append(([float(probs[row, token])], None if top is None else [top[row]]))
             request.unfinished = request.params.n
         stats.prefill_forwards += 1
         stats.prompt_tokens += int(token_ids.numel())
         stats.time_prefill += time.perf_counter() - t0
-        return samples
+        return samples, seen
 
     def _params_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
@@ -269,7 +276,7 @@ class Engine:
         step = self._pack(slots, trees, padded)
         logits = self.model(step.token_ids, step.positions, DecodeAttention(cache, step.layout))
         t2 = time.perf_counter()
-        results = self._verify(step, logits, spec)
+        results = self._verify(step, logits, spec, drafter.alternatives)
         t3 = time.perf_counter()
         gained = self._commit(step, logits, results, cache, drafter, stats, padded)
         t4 = time.perf_counter()
@@ -281,7 +288,7 @@ class Engine:
             if spec.sampled_drafts:
                 budget.record_acceptance(*_acceptance_by_depth(trees, results, budget.max_depth))
             else:
-                budget.record_nodes(trees, [path for path, _, _ in results])
+                budget.record_nodes(trees, [result[0] for result in results])
         stats.decode_forwards += 1
         stats.sample_steps += len(slots)
         stats.forward_tokens += int(step.token_ids.numel())
@@ -292,14 +299,16 @@ class Engine:
         stats.time_commit += t4 - t3
         return gained
 
-    def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig):
+    def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig, alternatives: int = 0):
         """Per request (each has its own generator and scheme): per sample, the accepted path, the
-        bonus token and the target's probabilities of the tokens it appends (path, then bonus)."""
+        bonus token, the target's probabilities of the tokens it appends (path, then bonus) and,
+        with ``alternatives`` > 0, the target's most likely tokens at each of those positions
+        (None otherwise)."""
         by_request: dict[str, list[int]] = {}
         for b, sample in enumerate(step.samples):
             by_request.setdefault(sample.request.request_id, []).append(b)
         counts = [1 + len(t.tokens) for t in step.trees]
-        results: list[tuple[list[int], int, list[float]]] = [None] * len(step.samples)  # type: ignore[list-item]
+        results: list[tuple] = [None] * len(step.samples)  # type: ignore[list-item]
         for members in by_request.values():
             request = step.samples[members[0]].request
             rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])])
@@ -327,11 +336,14 @@ class Engine:
                 local_rows += [row_base + r for r in rows]
                 local_tokens += tokens
                 row_base += counts[b]
-            appended = probs[torch.tensor(local_rows), torch.tensor(local_tokens)].tolist()
+            local_rows = torch.tensor(local_rows)
+            appended = probs[local_rows, torch.tensor(local_tokens)].tolist()
+            top = _top(probs[local_rows], alternatives)
             start = 0
             for k, b in enumerate(members):
-                results[b] = (paths[k], bonus[k], appended[start: start + 1 + len(paths[k])])
-                start += 1 + len(paths[k])
+                end = start + 1 + len(paths[k])
+                results[b] = (paths[k], bonus[k], appended[start:end], None if top is None else top[start:end])
+                start = end
         return results
 
     @staticmethod
@@ -350,7 +362,7 @@ class Engine:
         entries past its own acceptance stay behind as masked filler.
         """
         # Log-probabilities of every appended token in one gather: rows of the packed batch.
-        appended = [_appended(tree, path, bonus) for tree, (path, bonus, _) in zip(step.trees, results)]
+        appended = [_appended(tree, result[0], result[1]) for tree, result in zip(step.trees, results)]
         flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(appended) for r in rows])
         flat_tokens = torch.tensor([t for tokens, _ in appended for t in tokens])
         logsumexp = torch.logsumexp(logits, -1)
@@ -360,7 +372,7 @@ class Engine:
         offset = 0
         advance = 1 + max(len(r[0]) for r in results)
         for b, sample in enumerate(step.samples):
-            path, _, token_probs = results[b]
+            path, _, token_probs, alternatives = results[b]
             tokens, rows = appended[b]
             stats.accepted_tokens += len(path)
             for k, j in enumerate(path):
@@ -385,7 +397,8 @@ class Engine:
             self._append(sample, tokens, lps, top_rows)
             added = len(sample.output_ids) - before
             gained += added
-            drafter.observe(sample.sample_id, tokens[:added], token_probs[:added])
+            drafter.observe(sample.sample_id, tokens[:added], token_probs[:added],
+                            None if alternatives is None else alternatives[:added])
         cache.keep_paths(torch.tensor(move_slots, dtype=torch.long), torch.tensor(move_src, dtype=torch.long),
                          torch.tensor(move_dst, dtype=torch.long))
         return gained
@@ -458,7 +471,7 @@ def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tup
     accepted it (the statistics the draft budget learns from)."""
     tried = [0] * (max_depth + 1)
     kept = [0] * (max_depth + 1)
-    for tree, (path, _, _) in zip(trees, results):
+    for tree, (path, *_) in zip(trees, results):
         if not tree.tokens:
             continue
         node = -1
@@ -477,6 +490,14 @@ def _appended(tree: DraftTree, path: list[int], bonus: int) -> tuple[list[int], 
     """The tokens a sample appends (its accepted nodes, then the bonus) and, for each, the row of
     the sample's forward rows (0 = its last token, 1 + j = node j) whose distribution it follows."""
     return [tree.tokens[j] for j in path] + [bonus], [0] + [1 + j for j in path]
+
+
+def _top(probs: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]] | None:
+    """Per row of ``probs``, its ``k`` most likely tokens and their probabilities (None if k is 0)."""
+    if k <= 0:
+        return None
+    values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    return list(zip(tokens.tolist(), values.tolist()))
 
 
 def _admit(waiting: deque[Request], free_prompt_slots: int, free_sample_slots: int) -> list[Request]:

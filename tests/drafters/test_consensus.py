@@ -118,7 +118,15 @@ def test_random_texts_give_valid_trees(check_tree, sampled, aggregate):
         for sample, budget, tree in zip(samples, budgets, trees):
             check_tree(tree, min(budget, max_nodes), max_depth, V)
             new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
-            drafter.observe(sample, new, [rng.random() for _ in new] if rng.random() < 0.5 else None)
+            probs = [rng.random() for _ in new] if rng.random() < 0.5 else None
+            alternatives = None
+            if probs is not None and rng.random() < 0.5:
+                alternatives = []
+                for token, p in zip(new, probs):
+                    others = rng.sample(range(6), 3)
+                    weights = sorted((rng.random() * (1 - p) / 3 for _ in others), reverse=True)
+                    alternatives.append(([token] + others, [p] + weights))
+            drafter.observe(sample, new, probs, alternatives)
 
 
 def test_confidence_is_agreement_times_the_sources_probability():
@@ -148,3 +156,46 @@ def test_subtree_reindexes_parents_and_keeps_scores():
     assert sub.tokens == [5, 6, 8] and sub.parents == [-1, 0, 1]
     assert sub.confidence == [0.9, 0.8, 0.6] and sub.evidence == [4, 3, 1]
     assert tree.subtree([]) == DraftTree.EMPTY and tree.subtree([0, 1, 2, 3]) is tree
+
+
+def test_soft_votes_draft_what_the_sources_distributions_favour():
+    """One sibling sampled 5 although the target gave it 0.1 and gave 7 0.8: with its alternatives
+    kept the draft is 7 (nobody sampled it), without them 5; the first match copies 5 as it is."""
+    def drafter(**options):
+        d = consensus(**options)
+        d.add_group(0, [100], [0, 1])
+        d.observe(0, [1, 2, 3])
+        d.observe(1, [1, 2, 3, 5, 6], [0.9, 0.9, 0.9, 0.1, 0.9],
+                  [([1], [0.9]), ([2], [0.9]), ([3], [0.9]), ([7, 5, 8], [0.8, 0.1, 0.05]), ([6], [0.9])])
+        return d
+
+    assert propose(drafter(), 0, budget=1).tokens == [7]
+    assert propose(drafter(alternatives=0), 0, budget=1).tokens == [5]
+    assert propose(drafter(aggregate=False), 0, budget=1).tokens == [5]
+    tree = propose(drafter(), 0, budget=3)  # by weight: 7 (0.8), 5 (0.1), 5 -> 6 (0.09), not 8 (0.05)
+    assert tree.tokens == [7, 5, 6] and tree.parents == [-1, -1, 1]
+
+
+def test_confidence_mixes_the_sources_distributions():
+    """Source 1 took 5 (p 0.6; 7 had 0.3), source 2 took 7 (p 0.5; 5 had 0.4): the confidence in
+    a token is the mean of the two sources' probabilities of it, 0.5 for 5 and 0.4 for 7."""
+    drafter = consensus(max_nodes=8)
+    drafter.add_group(0, [100], [0, 1, 2])
+    drafter.observe(0, [9, 4], [0.5, 0.5])
+    drafter.observe(1, [9, 4, 5], [0.5, 0.5, 0.6], [None, None, ([5, 7], [0.6, 0.3])])
+    drafter.observe(2, [9, 4, 7], [0.5, 0.5, 0.5], [None, None, ([7, 5], [0.5, 0.4])])
+    tree = propose(drafter, 0, budget=2)
+    assert sorted(zip(tree.tokens, tree.confidence)) == [(5, pytest.approx(0.5)), (7, pytest.approx(0.4))]
+
+
+def test_alternatives_are_checked_against_the_tokens():
+    drafter = group(consensus(), [[1]])
+    with pytest.raises(ValueError, match="alternatives"):
+        drafter.observe(0, [2, 3], [0.5, 0.5], [([2], [0.5])])
+
+
+def test_ngram_keeps_no_alternatives():
+    drafter = make_drafter("ngram", vocab_size=V, max_depth=4, max_nodes=8)
+    drafter.add_group(0, [100], [0])
+    drafter.observe(0, [1, 2, 5, 1, 2], [0.5] * 5, [([t, 9], [0.5, 0.4]) for t in (1, 2, 5, 1, 2)])
+    assert propose(drafter, 0).tokens == [5, 1, 2]

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from multispec import SamplingParams, SpecConfig
+from multispec.drafters.consensus import ALTERNATIVES
 from multispec.engine.sampler import target_probs
 from multispec.reasoning import load_gsm8k
 from multispec.reasoning.gsm8k import INSTRUCTION
@@ -143,21 +144,22 @@ def test_sampled_first_tokens_follow_the_model(llm, name):
 
 
 def test_drafter_is_told_the_target_probability_of_each_appended_token(llm, monkeypatch):
-    """What the engine passes to ``observe`` is p(token) under each request's own sampling law
-    (two requests with different temperatures and top-p in one batch, so a row or request mix-up
-    shows), checked against a plain forward over the finished texts."""
+    """What the engine passes to ``observe`` is p(token) under each request's own sampling law and
+    the k most likely tokens of that law with their probabilities, for every token including the
+    prefill's (two requests with different temperatures and top-p in one batch, so a row or
+    request mix-up shows), checked against a plain forward over the finished texts."""
     import multispec.engine.llm_engine as llm_engine
 
-    seen: dict[int, list[tuple[list[int], list[float] | None]]] = {}
+    seen: dict[int, list[tuple[list[int], list[float] | None, list | None]]] = {}
     made = llm_engine.make_drafter
 
     def recording(kind, **options):
         drafter = made(kind, **options)
         observe = drafter.observe
 
-        def spy(sample_id, tokens, probs=None):
-            seen.setdefault(sample_id, []).append((list(tokens), probs))
-            observe(sample_id, tokens, probs)
+        def spy(sample_id, tokens, probs=None, alternatives=None):
+            seen.setdefault(sample_id, []).append((list(tokens), probs, alternatives))
+            observe(sample_id, tokens, probs, alternatives)
         drafter.observe = spy
         return drafter
 
@@ -168,23 +170,29 @@ def test_drafter_is_told_the_target_probability_of_each_appended_token(llm, monk
     spec = SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=4, adaptive=False)
     outputs = llm.chat(conversations, params, spec)
     assert llm.last_stats.accepted_tokens > 0
+    k = ALTERNATIVES
     sample_ids = sorted(seen)
     checked = 0
     for out, sp in zip(outputs, params):
         for completion in out.outputs:
             sample_id = sample_ids.pop(0)
             calls = seen[sample_id]
-            assert [t for tokens, _ in calls for t in tokens] == completion.token_ids
-            assert calls[0][1] is None  # the prefill's token: no probability handed over
-            told = [p for _, probs in calls[1:] for p in probs]
+            assert [t for tokens, _, _ in calls for t in tokens] == completion.token_ids
+            told = [p for _, probs, _ in calls for p in probs]
+            told_top = [a for _, _, alternatives in calls for a in alternatives]
             ids = out.prompt_token_ids + completion.token_ids
             with torch.inference_mode():
                 logits = prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)
-            rows = logits[len(out.prompt_token_ids):len(ids) - 1]
+            rows = logits[len(out.prompt_token_ids) - 1:len(ids) - 1]
             m = rows.shape[0]
-            want = target_probs(rows, torch.full((m,), sp.temperature), torch.zeros(m, dtype=torch.long),
-                                torch.full((m,), sp.top_p))
-            want = want[torch.arange(m), torch.tensor(completion.token_ids[1:])].tolist()
+            law = target_probs(rows, torch.full((m,), sp.temperature), torch.zeros(m, dtype=torch.long),
+                               torch.full((m,), sp.top_p))
+            want = law[torch.arange(m), torch.tensor(completion.token_ids)].tolist()
             assert told == pytest.approx(want, abs=2e-3)
+            assert len(told_top) == m
+            for row, (tokens, probs) in zip(law, told_top):
+                assert len(tokens) == k and probs == sorted(probs, reverse=True)
+                assert probs == pytest.approx(row[tokens].tolist(), abs=2e-3)
+                assert probs[-1] >= float(row.topk(k).values[-1]) - 2e-3  # none better left out
             checked += len(told)
     assert checked > 100
