@@ -126,12 +126,14 @@ def replay(groups: list[dict], kind: str, depth: int, nodes: int, inspect=None, 
 
 def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
     """What the sources offer for the next token, replaying consensus drafts (shares of steps): no
-    source continues the sample's last tokens; the next token is among the first tokens offered;
-    the draft's first token is the next token; and the mean target probability of the token
-    sampled (a floor for how often the target's own most likely token would be right)."""
+    source continues the sample's last tokens; the next token is among the first tokens offered
+    (the tokens the sources took, then also their alternatives); the draft's first token is the
+    next token; and the mean target probability of the token sampled (a floor for how often the
+    target's own most likely token would be right)."""
     from multispec.drafters.lookup import find_continuations
 
-    counts = {"no source": 0.0, "next token offered": 0.0, "first draft token right": 0.0, "p(sampled)": 0.0}
+    counts = {"no source": 0.0, "next token offered": 0.0, "offered with alternatives": 0.0,
+              "first draft token right": 0.0, "p(sampled)": 0.0}
 
     def inspect(drafter, live, trees, texts, done):
         for i, tree in zip(live, trees):
@@ -140,6 +142,9 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
             following = texts[i]["tokens"][done[i]]
             counts["no source"] += not continuations
             counts["next token offered"] += any(c[0][0] == following for c in continuations)
+            counts["offered with alternatives"] += any(
+                c[0][0] == following or (c[4] and c[4][0] is not None and following in c[4][0][0])
+                for c in continuations)
             counts["first draft token right"] += bool(tree.tokens) and tree.tokens[0] == following
             counts["p(sampled)"] += texts[i]["probs"][done[i]]
 

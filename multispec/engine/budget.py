@@ -63,6 +63,13 @@ steps alone (a run that drafts every step, or one after fixed-size drafts) leave
 and a fit that folds it into every step makes drafting look cheaper than it is. So while fewer
 than this many plain steps are in the window, a step drafts nothing: about one step in twenty
 when drafting runs every step."""
+IDLE_STEPS = 8
+"""Steps in a row that kept no draft node, after which the drafter is asked only every
+``PROBE_EVERY``-th step until a step keeps one again. Where a forward is compute-bound (large
+batches on a CPU) the budget keeps nothing for long stretches, and building every sample's draft
+tree each step to throw it away cost 2-4% of the step; probing keeps the budget's answer current
+at a quarter of that."""
+PROBE_EVERY = 4
 
 
 class DraftBudget:
@@ -74,6 +81,8 @@ class DraftBudget:
         self.tried = [2.0] * (max_depth + 1)
         self.kept = [1.0] * (max_depth + 1)
         self.steps = 0
+        self.idle = 0
+        """Steps in a row whose drafts were all left out (or not asked for)."""
         self.max_evidence = max_evidence
         edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
         centers = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
@@ -100,6 +109,14 @@ class DraftBudget:
                     k, e = self._cell(tree.confidence[i], tree.evidence[i])
                     self.cal_tried[k][e] += 1.0
                     self.cal_kept[k][e] += i in accepted
+
+    def wants_drafts(self) -> bool:
+        """Whether this step should ask the drafter at all (see ``IDLE_STEPS``); a step it skips
+        counts as one that kept nothing."""
+        if self.idle < IDLE_STEPS or (self.idle - IDLE_STEPS) % PROBE_EVERY == PROBE_EVERY - 1:
+            return True
+        self.idle += 1
+        return False
 
     def select(self, trees: list[DraftTree], context: int) -> list[DraftTree]:
         """Keep, across the whole batch, the draft nodes that maximise expected tokens per second.
@@ -137,6 +154,7 @@ class DraftBudget:
                 rate = gained / self._cost(model, batch + k, batch, qmax, context, drafting)
                 if rate > best_rate:
                     keep, best_rate = k, rate
+        self.idle = 0 if keep else self.idle + 1
         kept: list[list[int]] = [[] for _ in trees]
         for _, _, b, i in candidates[:keep]:
             kept[b].append(i)

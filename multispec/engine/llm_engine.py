@@ -257,6 +257,8 @@ class Engine:
                 return [DraftTree.EMPTY] * len(slots)
             if length < spec.max_draft_tokens:
                 nodes = min(nodes, length)
+        if scored and not budget.wants_drafts():
+            return [DraftTree.EMPTY] * len(slots)
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in slots]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - len(slots))

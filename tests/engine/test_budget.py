@@ -5,7 +5,7 @@ from collections import deque
 import pytest
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import MARGIN, MIN_PLAIN, DraftBudget
+from multispec.engine.budget import IDLE_STEPS, MARGIN, MIN_PLAIN, PROBE_EVERY, DraftBudget
 
 CONTEXT = 200
 
@@ -167,3 +167,22 @@ def test_drafting_that_barely_pays_on_paper_is_left_out():
     assert (0.5 / 8 + 1) / (1 + 0.002 / 0.066) < MARGIN  # the case is what its name says
     assert len(budget.select(barely, CONTEXT)[0]) == 0
     assert len(budget.select(clearly, CONTEXT)[0]) == 1
+
+
+def test_after_a_stretch_of_empty_steps_the_drafter_is_asked_only_to_probe():
+    """Compute-bound steps keep nothing: after ``IDLE_STEPS`` such steps the drafter is asked one
+    step in ``PROBE_EVERY``; the first probe whose drafts pay brings back drafting every step."""
+    budget = DraftBudget(4, costs(fixed=0.0, per_token=0.01))  # every token costs a sample's step
+    asked = []
+    for _ in range(IDLE_STEPS + 4 * PROBE_EVERY):
+        asked.append(budget.wants_drafts())
+        if asked[-1]:
+            assert budget.select([chain([0.995])] * 8, CONTEXT) == [DraftTree.EMPTY] * 8
+    assert asked[:IDLE_STEPS] == [True] * IDLE_STEPS
+    assert asked[IDLE_STEPS:] == ([False] * (PROBE_EVERY - 1) + [True]) * 4
+
+    budget.samples.extend(costs(fixed=0.2, per_token=0.0001) * 3)  # forwards turn overhead-bound
+    while not budget.wants_drafts():
+        pass
+    assert len(budget.select([chain([0.995])] * 8, CONTEXT)[0]) == 1
+    assert all(budget.wants_drafts() for _ in range(3 * PROBE_EVERY))
