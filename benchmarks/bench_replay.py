@@ -15,8 +15,9 @@ estimate of the tau the engine measures with the same drafter and fixed draft si
 difference from a live run is which sibling prefixes are visible at each step; here siblings
 progress at their own replayed pace, as in the engine.
 
-Checked against live runs of the engine (8 x 16, T 0.7, 4-token chains): replay tau ngram 1.58,
-first match 1.61, consensus 1.76; live (benchmarks/bench_spec.py) 1.57, 1.65, 1.76.
+Checked against live runs of the engine (8 x 16, T 0.7, 4-token drafts): replay tau ngram 1.58,
+first match 1.62, consensus 1.79 (1.75 with hard votes); live (benchmarks/bench_spec.py) 1.56,
+1.65, 1.81 (1.76 before soft votes).
 
     python benchmarks/bench_replay.py [--questions 8] [--n 16] [--temperature 0.7] [--seeds 0 1]
                                       [--budgets 4:4 6:6 8:6 12:6 16:8] [--coverage]

@@ -63,18 +63,22 @@ class Drafter(Protocol):
     """Proposes draft trees for samples and learns from what they actually produced.
 
     ``alternatives``: how many of the target's most likely tokens (with their probabilities) the
-    drafter wants with every observed token; the engine computes them only when it is > 0.
+    drafter wants with every observed token; the engine computes them only when it is > 0, and
+    ``min_alternative``: the least probability the drafter keeps, so the engine may pass None for a
+    position where the sampled token leaves less than that to every other one.
     """
 
     alternatives: int
+    min_alternative: float
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         """A prompt and its sibling samples (ids unique across live groups); samples start empty."""
 
     def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None,
-                alternatives: list[tuple[list[int], list[float]]] | None = None) -> None:
+                alternatives: list[tuple[list[int], list[float]] | None] | None = None) -> None:
         """Tokens appended to a sample, optionally with the target's probability of each and the
-        target's most likely tokens and their probabilities at each token's position."""
+        target's most likely tokens and their probabilities at each token's position (None at a
+        position where none can reach ``min_alternative``)."""
 
     def remove(self, sample_id: int) -> None:
         """The sample finished: it stops proposing but its text stays a source for its siblings."""
@@ -88,6 +92,7 @@ class NoDrafter:
     """Plain decoding through the same step loop: every draft is empty."""
 
     alternatives = 0
+    min_alternative = 0.0
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         pass

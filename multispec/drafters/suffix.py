@@ -61,6 +61,7 @@ class SuffixDrafter:
             raise ValueError(f"need max_depth >= 1, max_nodes >= 0, 1 <= min_ngram <= max_ngram, alternatives >= 0; "
                              f"got {max_depth}, {max_nodes}, {min_ngram}, {max_ngram}, {alternatives}")
         self.alternatives = alternatives
+        self.min_alternative = MIN_ALTERNATIVE
         self.vocab_size = vocab_size
         self.max_depth = max_depth
         self.max_nodes = max_nodes

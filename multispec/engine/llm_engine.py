@@ -154,7 +154,7 @@ class Engine:
                         next_sample_id += request.params.n
                         drafter.add_group(request.prompt_slot, request.prompt_ids,
                                           [s.sample_id for s in request.samples])
-                    new, seen = self._prefill(admitted, cache, stats, drafter.alternatives)
+                    new, seen = self._prefill(admitted, cache, stats, _wanted(drafter))
                     for sample, (token_probs, alternatives) in zip(new, seen):
                         added = len(sample.output_ids)
                         drafter.observe(sample.sample_id, sample.output_ids, token_probs[:added],
@@ -172,11 +172,12 @@ class Engine:
         stats.generated_tokens = sum(len(s.output_ids) for r in requests for s in r.samples)
         return [self._output(r) for r in requests], stats
 
-    def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats, alternatives: int = 0):
+    def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats,
+                 alternatives: tuple[int, float] = (0, 0.0)):
         """One forward over the admitted prompts; each prompt's last row seeds its n samples.
 
         Returns the new samples and, for each, what the drafter is told about its first token: the
-        target's probability of it and (``alternatives`` > 0) the target's most likely tokens."""
+        target's probability of it and (see ``_top``) the target's most likely tokens."""
         t0 = time.perf_counter()
         token_ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
         positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
@@ -186,13 +187,14 @@ class Engine:
         probs = target_probs(logits, *self._params_rows(requests))
         logprobs = torch.log_softmax(logits, -1)
         samples, seen = [], []
-        top = _top(probs, alternatives)
         for row, request in enumerate(requests):
             first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
             for sample, token in zip(request.samples, first.tolist()):
                 self._append(sample, [token], [float(logprobs[row, token])], logprobs[row:row + 1])
                 samples.append(sample)
-                seen.append(([float(probs[row, token])], None if top is None else [top[row]]))
+                p = float(probs[row, token])
+                top = _top(probs, [row], [p], *alternatives)
+                seen.append(([p], top))
             request.unfinished = request.params.n
         stats.prefill_forwards += 1
         stats.prompt_tokens += int(token_ids.numel())
@@ -278,7 +280,7 @@ class Engine:
         step = self._pack(slots, trees, padded)
         logits = self.model(step.token_ids, step.positions, DecodeAttention(cache, step.layout))
         t2 = time.perf_counter()
-        results = self._verify(step, logits, spec, drafter.alternatives)
+        results = self._verify(step, logits, spec, _wanted(drafter))
         t3 = time.perf_counter()
         gained = self._commit(step, logits, results, cache, drafter, stats, padded)
         t4 = time.perf_counter()
@@ -301,11 +303,11 @@ class Engine:
         stats.time_commit += t4 - t3
         return gained
 
-    def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig, alternatives: int = 0):
+    def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig,
+                alternatives: tuple[int, float] = (0, 0.0)):
         """Per request (each has its own generator and scheme): per sample, the accepted path, the
-        bonus token, the target's probabilities of the tokens it appends (path, then bonus) and,
-        with ``alternatives`` > 0, the target's most likely tokens at each of those positions
-        (None otherwise)."""
+        bonus token, the target's probabilities of the tokens it appends (path, then bonus) and the
+        target's most likely tokens at each of those positions (see ``_top``)."""
         by_request: dict[str, list[int]] = {}
         for b, sample in enumerate(step.samples):
             by_request.setdefault(sample.request.request_id, []).append(b)
@@ -338,9 +340,8 @@ class Engine:
                 local_rows += [row_base + r for r in rows]
                 local_tokens += tokens
                 row_base += counts[b]
-            local_rows = torch.tensor(local_rows)
-            appended = probs[local_rows, torch.tensor(local_tokens)].tolist()
-            top = _top(probs[local_rows], alternatives)
+            appended = probs[torch.tensor(local_rows), torch.tensor(local_tokens)].tolist()
+            top = _top(probs, local_rows, appended, *alternatives)
             start = 0
             for k, b in enumerate(members):
                 end = start + 1 + len(paths[k])
@@ -494,12 +495,35 @@ def _appended(tree: DraftTree, path: list[int], bonus: int) -> tuple[list[int], 
     return [tree.tokens[j] for j in path] + [bonus], [0] + [1 + j for j in path]
 
 
-def _top(probs: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]] | None:
-    """Per row of ``probs``, its ``k`` most likely tokens and their probabilities (None if k is 0)."""
+def _wanted(drafter) -> tuple[int, float]:
+    """How many of the target's most likely tokens the drafter wants per position, and the least
+    probability it keeps (see ``Drafter``)."""
+    return drafter.alternatives, drafter.min_alternative
+
+
+def _top(probs: torch.Tensor, rows: list[int], token_probs: list[float], k: int,
+         floor: float) -> list[tuple[list[int], list[float]] | None] | None:
+    """For each of ``rows`` (whose sampled token has probability ``token_probs[i]``), the ``k``
+    most likely tokens and their probabilities; None for all if k is 0, and None for a row where
+    the sampled token leaves less than ``floor`` to every other token (nothing the drafter keeps).
+
+    A full-vocabulary top-k costs a few percent of a big compute-bound step on a CPU, so it runs
+    only on the rows that can have an alternative, and on ``probs`` in place when that is all of
+    them."""
     if k <= 0:
         return None
-    values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    return list(zip(tokens.tolist(), values.tolist()))
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(rows)
+    wanted = [i for i, p in enumerate(token_probs) if 1.0 - p >= floor]
+    if not wanted:
+        return out
+    if len(wanted) == probs.shape[0] and rows == list(range(probs.shape[0])):
+        values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    else:
+        picked = probs.index_select(0, torch.tensor([rows[i] for i in wanted]))
+        values, tokens = picked.topk(min(k, probs.shape[-1]), dim=-1)
+    for i, t, v in zip(wanted, tokens.tolist(), values.tolist()):
+        out[i] = (t, v)
+    return out
 
 
 def _admit(waiting: deque[Request], free_prompt_slots: int, free_sample_slots: int) -> list[Request]:
