@@ -55,16 +55,25 @@ class Trie:
         for tokens, probs, vote, match, alternatives in continuations:
             self._insert(tokens, probs, vote, match, alternatives)
 
+    def _new_child(self, kids: dict[int, int], token: int) -> int:
+        """A new node for ``token`` under the node whose children are ``kids`` (lookups stay inline
+        in ``_insert``, the hot loop; only creation goes through here)."""
+        child = kids[token] = len(self.token)
+        self.token.append(token)
+        self.children.append({})
+        self.stats.append([0.0, 0.0, 0.0, 0])
+        return child
+
     def _insert(self, tokens: list[int], probs: list[float], vote: float, match: int,
                 alternatives: list[Alternatives | None]) -> None:
-        token_of, children, stats = self.token, self.children, self.stats
+        stats = self.stats
         node = ROOT
         stats[ROOT][2] += vote
         weight = vote
         known = True
         soft = len(alternatives)
         for depth, (token, prob) in enumerate(zip(tokens, probs)):
-            kids = children[node]
+            kids = self.children[node]
             alternative = alternatives[depth] if depth < soft else None
             if alternative is not None:
                 for other, p in zip(*alternative):
@@ -72,10 +81,7 @@ class Trie:
                         continue
                     child = kids.get(other)
                     if child is None:
-                        child = kids[other] = len(token_of)
-                        token_of.append(other)
-                        children.append({})
-                        stats.append([0.0, 0.0, 0.0, 0])
+                        child = self._new_child(kids, other)
                     entry = stats[child]
                     entry[0] += weight * p
                     entry[1] += vote * p
@@ -88,10 +94,7 @@ class Trie:
                 weight *= prob
             child = kids.get(token)
             if child is None:
-                child = kids[token] = len(token_of)
-                token_of.append(token)
-                children.append({})
-                stats.append([0.0, 0.0, 0.0, 0])
+                child = self._new_child(kids, token)
             entry = stats[child]
             entry[0] += weight
             entry[1] += vote * prob

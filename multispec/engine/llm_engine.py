@@ -189,12 +189,13 @@ class Engine:
         samples, seen = [], []
         for row, request in enumerate(requests):
             first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
-            for sample, token in zip(request.samples, first.tolist()):
+            tokens = first.tolist()
+            token_probs = probs[row, first].tolist()
+            tops = _top(probs, [row] * len(tokens), token_probs, *alternatives)
+            for k, (sample, token) in enumerate(zip(request.samples, tokens)):
                 self._append(sample, [token], [float(logprobs[row, token])], logprobs[row:row + 1])
                 samples.append(sample)
-                p = float(probs[row, token])
-                top = _top(probs, [row], [p], *alternatives)
-                seen.append(([p], top))
+                seen.append(([token_probs[k]], None if tops is None else [tops[k]]))
             request.unfinished = request.params.n
         stats.prefill_forwards += 1
         stats.prompt_tokens += int(token_ids.numel())
