@@ -8,8 +8,8 @@ engine measures both sides as it runs instead of assuming either:
 
 - the cost of a step, a non-negative least-squares fit ``a + b * T + c * W + d * S`` over recent steps,
   refit every step: T is the number of tokens in the forward (weights and MLPs see exactly
-  those), W the attention work, query rows times the step's longest context (attention pads the
-  draft rows of the drafting samples to the step's deepest draft, see ``DecodeAttention``), and S
+  those), W the attention work, query rows times the step's longest context (attention pads
+  samples to the step's deepest draft, see ``DecodeAttention`` and ``work``), and S
   is 1 for a step with any draft token (the fixed price of drafting at all);
 - the chance that a draft token at depth d is accepted given its parent was, per depth.
 
@@ -43,6 +43,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from multispec.drafters.base import DraftTree
+from multispec.engine.kv_cache import split_step
 
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99)
 """Calibration bins of the drafter's confidence: finest near 1, where drafting pays on big batches."""
@@ -162,20 +163,23 @@ class DraftBudget:
 
     # ------------------------------------------------------------------ cost
     @staticmethod
-    def work(batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
-        """Attention work of a step: query rows as ``DecodeAttention`` lays them out (all root rows,
-        plus the drafting samples' draft rows padded to the deepest draft), times the context."""
-        if drafting is None or drafting in (0, batch):
-            rows = batch * qmax
-        else:
-            rows = batch + drafting * (qmax - 1)
+    def work(batch: int, qmax: int, context: int, drafting: int | None = None, tokens: int | None = None) -> float:
+        """Attention work of a step: query rows as ``DecodeAttention`` lays them out, times the
+        context. Its rows are every sample's ``qmax`` rows, or, where it splits the step (see
+        ``split_step``), the root rows plus the drafting samples' draft rows padded to the deepest
+        draft. ``tokens``: the step's token count (default: every drafting sample at full depth)."""
+        if drafting is None:
+            drafting = batch if qmax > 1 else 0
+        if tokens is None:
+            tokens = batch + drafting * (qmax - 1)
+        rows = batch + drafting * (qmax - 1) if split_step(batch, qmax, drafting, tokens) else batch * qmax
         return rows * context / WORK_UNIT
 
     @classmethod
     def _cost(cls, model: tuple[float, float, float, float], tokens: int, batch: int, qmax: int, context: int,
               drafting: int | None = None) -> float:
         fixed, per_token, per_work, speculative = model
-        return (fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting)
+        return (fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting, tokens)
                 + (speculative if qmax > 1 else 0.0))
 
     def record_forward(self, tokens: int, work: float, seconds: float, speculative: bool = False) -> None:

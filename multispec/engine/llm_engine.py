@@ -287,7 +287,8 @@ class Engine:
         t4 = time.perf_counter()
         # The whole step is what a draft token costs: forward, verification and commit grow with it.
         qmax, drafting = int(step.layout.counts.max()), int((step.layout.counts > 1).sum())
-        budget.record_forward(int(step.token_ids.numel()), budget.work(len(slots), qmax, context, drafting), t4 - t0,
+        tokens = int(step.token_ids.numel())
+        budget.record_forward(tokens, budget.work(len(slots), qmax, context, drafting, tokens), t4 - t0,
                               speculative=qmax > 1)
         if budget.max_depth:  # each mode learns only what its own choice uses
             if spec.sampled_drafts:

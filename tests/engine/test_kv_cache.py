@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multispec.engine.kv_cache import CacheShape, KVCache, kv_bytes_per_token
+from multispec.engine.kv_cache import CacheShape, KVCache, kv_bytes_per_token, split_step
 from multispec.engine.llm_engine import Engine, EngineConfig
 from multispec.models.config import ModelConfig
 from multispec.params import SamplingParams, SpecConfig
@@ -81,3 +81,14 @@ def test_admission_respects_both_prompt_and_sample_slots():
     waiting = deque([request(4), request(8), request(1)])
     assert [r.params.n for r in _admit(waiting, free_prompt_slots=3, free_sample_slots=10)] == [4]  # in order
     assert _admit(deque([request(4)]), free_prompt_slots=0, free_sample_slots=40) == []
+
+
+def test_a_step_is_split_only_where_one_part_would_pad_more_rows_than_it_has():
+    # Every sample drafts, or none does: one part, nothing padded.
+    assert not split_step(16, 1, 0, 16)
+    assert not split_step(16, 3, 16, 48)
+    # Most samples draft a token: padding the rest is cheaper than a second pass.
+    assert not split_step(16, 2, 15, 31)
+    assert not split_step(16, 4, 8, 40)
+    # One sample drafts four tokens: one part would pad 15 x 4 rows for 20 real ones.
+    assert split_step(16, 5, 1, 20)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from multispec.engine import kv_cache
 from multispec.models.config import ModelConfig
 from multispec.models.llama import LlamaForCausalLM
 from tests.helpers import new_cache, prefill, step
@@ -111,10 +112,13 @@ def test_default_model_matches_transformers(default_checkpoint, hf_default_model
     check_model(hf_default_model, ours, ids[:50], ids[50:58])
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one part", "root and draft parts"])
 @pytest.mark.parametrize("sample_prompt", [[1, 0, 1], [2, 0, 1]])
-def test_samples_of_several_prompts_in_one_step(sample_prompt):
+def test_samples_of_several_prompts_in_one_step(sample_prompt, split, monkeypatch):
     """Three samples of two or three prompts of different lengths, slots interleaved, each with
-    its own history and tree: every node's logits equal the plain sequence's."""
+    its own history and tree, one of them without a draft: every node's logits equal the plain
+    sequence's, in both layouts of the attention (see ``split_step``)."""
+    monkeypatch.setattr(kv_cache, "split_step", lambda batch, qmax, drafting, tokens: split and 0 < drafting < batch)
     hf, ours = tiny("llama")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 29, 23)]
