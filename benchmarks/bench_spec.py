@@ -7,7 +7,9 @@ drafts). Rows per cell:
 - none, consensus, consensus-first-match (aggregation off), ngram (prompt lookup): drafts of up to
   ``--depth`` tokens every step (``adaptive=False``), so tau measures the drafter itself;
 - consensus-auto: the default, draft length chosen per step from measured cost and acceptance;
-- consensus-padded: the padded-batching ablation (n = 16 and 64).
+- consensus-padded: the padded-batching ablation (n = 16 and 64);
+- consensus-1 (only with ``--rows``): every sample drafts its one likeliest token every step, the
+  simplest fixed policy, to hold the budget's choices against.
 
 The cells above batch all questions of a cell into one call (32 to 256 samples in flight), as
 an offline evaluation does. Two more cells send the questions one after another, one request in
@@ -40,6 +42,7 @@ ALL = ("none", "consensus", "consensus-first-match", "ngram", "consensus-auto")
 MEDIAN = ("none", "consensus-auto")
 """Rows of the headline cell's further runs: the wall-clock comparison (tau barely moves between runs)."""
 SMALL = ("none", "consensus", "ngram", "consensus-auto")
+ROWS = ALL + ("consensus-padded", "consensus-1")
 FULL_CELLS = [  # (questions, n, temperature, rows of the first run, rows of each further run, one at a time)
     (8, 4, 0.7, ALL, [], False),
     (8, 16, 0.7, ALL + ("consensus-padded",), [MEDIAN, MEDIAN], False),
@@ -61,7 +64,8 @@ def configs(depth: int, labels):
              "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False, **fixed),
              "ngram": SpecConfig(drafter="ngram", **fixed),
              "consensus-auto": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=depth),
-             "consensus-padded": SpecConfig(drafter="consensus", batching="padded", **fixed)}
+             "consensus-padded": SpecConfig(drafter="consensus", batching="padded", **fixed),
+             "consensus-1": SpecConfig(drafter="consensus", max_draft_tokens=1, max_draft_nodes=1, adaptive=False)}
     return [(label, specs[label]) for label in labels]
 
 
@@ -173,15 +177,18 @@ def main() -> None:
     else:
         from multispec import LLM
 
+        requested = None if args.rows is None else ["none"] + [r for r in args.rows.split(",") if r != "none"]
+        unknown = [] if requested is None else [r for r in requested if r not in ROWS]
+        if unknown:
+            sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
         llm = LLM()
         table = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
         if args.cells:
             cells = [cells[int(i)] for i in args.cells.split(",")]
-        wanted = None if args.rows is None else {"none", *args.rows.split(",")}
         for questions, n, temperature, first, further, one_at_a_time in cells:
             schedule = [first] + further
-            if wanted is not None:
-                schedule = [[label for label in labels if label in wanted] for labels in schedule]
+            if requested is not None:  # the first run runs every row asked for, further runs keep theirs
+                schedule = [requested] + [[label for label in labels if label in requested] for labels in further]
                 schedule = [labels for labels in schedule if len(labels) > 1]
             rows = run_cell(llm, questions, n, temperature, schedule, max_tokens, args.depth, one_at_a_time)
             key = (questions, n, temperature, one_at_a_time)
