@@ -135,11 +135,12 @@ def split_step(batch: int, qmax: int, drafting: int, tokens: int) -> bool:
 
     One part pads every sample to the deepest draft's rows; two parts pad only the drafting
     samples, but the second part gathers their caches and runs every attention operation once
-    more per layer. Measured on a CPU (16 samples, 250 cached tokens), that second pass costs as
-    much as about as many padded rows as the step has real ones: one part was faster whenever
-    half or more of the samples drafted (one draft token each: 217 vs 240 ms; three: 281 vs
-    310 ms) and two parts only where a few samples drafted deep (one sample, four tokens: 220 vs
-    246 ms). So the step is split only where one part would pad more rows than the step has."""
+    more per layer. Measured on a CPU (``benchmarks/bench_layout.py``: 16 samples, 250 cached
+    tokens), that second pass costs about what padding as many rows as the step has real ones
+    does: one part was faster where half the samples drafted (one token each: 217 vs 240 ms;
+    three: 281 vs 310 ms) and two parts only where a few samples drafted deep (one sample, four
+    tokens: 220 vs 246 ms). So the step is split only where one part would pad more rows than the
+    step has."""
     return 0 < drafting < batch and (batch - drafting) * (qmax - 1) > tokens
 
 
