@@ -510,21 +510,24 @@ def _top(probs: torch.Tensor, rows: list[int], token_probs: list[float], k: int,
     the sampled token leaves less than ``floor`` to every other token (nothing the drafter keeps).
 
     A full-vocabulary top-k costs a few percent of a big compute-bound step on a CPU, so it runs
-    only on the rows that can have an alternative, and on ``probs`` in place when that is all of
-    them."""
+    only on the rows that can have an alternative, once per distinct row (a prefill's n samples
+    share one), and on ``probs`` in place when that is all of them."""
     if k <= 0:
         return None
     out: list[tuple[list[int], list[float]] | None] = [None] * len(rows)
     wanted = [i for i, p in enumerate(token_probs) if 1.0 - p >= floor]
     if not wanted:
         return out
-    if len(wanted) == probs.shape[0] and rows == list(range(probs.shape[0])):
+    distinct = sorted({rows[i] for i in wanted})
+    if distinct == list(range(probs.shape[0])):
         values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
     else:
-        picked = probs.index_select(0, torch.tensor([rows[i] for i in wanted]))
-        values, tokens = picked.topk(min(k, probs.shape[-1]), dim=-1)
-    for i, t, v in zip(wanted, tokens.tolist(), values.tolist()):
-        out[i] = (t, v)
+        values, tokens = probs.index_select(0, torch.tensor(distinct)).topk(min(k, probs.shape[-1]), dim=-1)
+    where = {row: j for j, row in enumerate(distinct)}
+    tokens, values = tokens.tolist(), values.tolist()
+    for i in wanted:
+        j = where[rows[i]]
+        out[i] = (tokens[j], values[j])
     return out
 
 
