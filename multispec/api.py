@@ -25,21 +25,25 @@ class LLM:
     directory or a ``.gguf`` file. ``spec`` is the default speculation setting of every
     ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` caps the KV cache in GiB;
     a request that cannot fit is refused before anything is allocated, and requests that fit
-    only one after another wait for their turn.
+    only one after another wait for their turn. ``device``: where the weights, the KV cache and
+    verification live ("auto": the first CUDA GPU if there is one, else the CPU); drafting
+    always runs on the CPU.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", kv_cache_memory: float = 4.0,
-                 max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None):
+                 max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
+                 device: str = "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
         if not kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be > 0 (GiB)")
+        self.device = resolve_device(device)
         path = resolve_model(model)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
         self.model_name = model
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, DTYPES[dtype])
+        self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, DTYPES[dtype], self.device)
         limit = checkpoint.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
@@ -113,6 +117,28 @@ class LLM:
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
         return texts, ids
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device a ``device`` argument names, checked to exist here ("auto": CUDA if any)."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r}: not a device name (use 'auto', 'cpu', 'cuda' or 'cuda:N')") from error
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r}: no CUDA GPU is available here; use 'cpu' or 'auto'")
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device={device!r}: this machine has {count} CUDA GPU(s), numbered from 0")
+    elif resolved.type != "cpu":
+        try:
+            torch.empty(1, device=resolved)
+        except (RuntimeError, AssertionError) as error:
+            raise ValueError(f"device={device!r}: cannot allocate on it here ({error})") from error
+    return resolved
 
 
 class _Progress:

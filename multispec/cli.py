@@ -20,6 +20,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache cap in GiB (default: %(default)s)")
+    parser.add_argument("--device", default="auto",
+                        help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int, temperature: float) -> None:
@@ -56,7 +58,7 @@ def _spec(args) -> SpecConfig:
 def _llm(args):
     from multispec.api import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device)
 
 
 def cmd_generate(args) -> int:

@@ -15,7 +15,8 @@ atexit.register(shutil.rmtree, _CACHE, True)
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default model, loaded once for the whole session."""
+    """The default model, loaded once for the whole session, on the CPU unless
+    ``MULTISPEC_TEST_DEVICE`` names another device (the engine's tests then run there)."""
     from multispec import LLM
 
-    return LLM()
+    return LLM(device=os.environ.get("MULTISPEC_TEST_DEVICE", "cpu"))

@@ -1,4 +1,6 @@
-"""Small drivers of the packed forward for tests: prefill a prompt, then step trees through the cache."""
+"""Small drivers of the packed forward for tests: prefill a prompt, then step trees through the cache.
+
+They run on the model's device and hand logits back on the CPU, where the tests compare them."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, Pref
 
 
 def new_cache(model, samples: int = 4, capacity: int = 64, prompts: int = 2, prompt_capacity: int = 128) -> KVCache:
-    dtype = model.output_weight().dtype
-    return KVCache(model.config, CacheShape(samples, capacity, prompts, prompt_capacity), dtype)
+    weight = model.output_weight()
+    return KVCache(model.config, CacheShape(samples, capacity, prompts, prompt_capacity), weight.dtype, weight.device)
 
 
 def prefill(model, cache: KVCache, prompt: list[int], slot: int = 0) -> torch.Tensor:
     """Logits of every prompt position, the prompt's keys stored in prompt slot ``slot``."""
-    ids = torch.tensor(prompt)
-    return model(ids, torch.arange(len(prompt)), PrefillAttention(cache, [(slot, len(prompt))]))
+    device = model.output_weight().device
+    ids = torch.tensor(prompt, device=device)
+    return model(ids, torch.arange(len(prompt), device=device), PrefillAttention(cache, [(slot, len(prompt))])).cpu()
 
 
 def tree_mask_of(parents_per_sample: list[list[int]]) -> torch.Tensor:
@@ -42,5 +45,7 @@ def step(model, cache: KVCache, roots: list[int], trees: list[tuple[list[int], l
         counts.append(1 + len(toks))
     layout = StepLayout(torch.tensor(counts), torch.tensor(cached), torch.tensor(prompt_slots),
                         torch.tensor(prompt_lens), tree_mask_of([p for _, p in trees]))
-    logits = model(torch.tensor(tokens), torch.tensor(positions), DecodeAttention(cache, layout))
-    return list(logits.split(counts))
+    device = model.output_weight().device
+    logits = model(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                   DecodeAttention(cache, layout))
+    return list(logits.cpu().split(counts))

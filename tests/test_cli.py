@@ -38,3 +38,10 @@ def test_gsm8k_job_votes_and_reports_speed():
 def test_unreadable_prompts_file_is_one_line_error(tmp_path):
     result = run_cli("generate", "--prompts-file", str(tmp_path / "nope.txt"))
     assert result.returncode == 2 and "nope.txt" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_device_is_one_line_error():
+    result = run_cli("generate", "--prompt", "hi", "--device", "cuda:99")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("multispec: error: device='cuda:99'")
+    assert len(result.stderr.strip().splitlines()) == 1

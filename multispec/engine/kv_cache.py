@@ -152,6 +152,9 @@ class DecodeAttention:
     samples drafting deep, see ``split_step``), the step is split in two parts: every sample's
     root row (one row each, read in place from the cache), and the draft rows of the drafting
     samples only (their caches gathered). Otherwise one part holds all rows.
+
+    The layout is worked out on the CPU from ``StepLayout`` (small, data-dependent tensors), and
+    only the finished index and mask tensors move to the cache's device, once per step.
     """
 
     def __init__(self, cache: KVCache, layout: StepLayout):
@@ -162,8 +165,9 @@ class DecodeAttention:
         offsets = torch.cumsum(counts, 0) - counts
         row_sample = torch.repeat_interleave(torch.arange(batch), counts)
         row_index = torch.arange(total) - offsets[row_sample]
-        self.row_sample = row_sample
-        self.row_cache_pos = layout.written[row_sample] + row_index
+        device = cache.sample_k.device
+        self.row_sample = row_sample.to(device)
+        self.row_cache_pos = (layout.written[row_sample] + row_index).to(device)
         drafting = torch.nonzero(counts > 1).flatten()
         if split_step(batch, self.qmax, drafting.numel(), total):
             self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=True),
@@ -249,10 +253,15 @@ class _Part:
         # One prompt for all members, or one member per prompt: queries already have the
         # prompt-major layout, so no scatter or gather is needed.
         self.single = len(distinct) == 1
+        self.single_slot = distinct[0]
         self.one_each = not self.single and self.group_size == 1
         if self.one_each:
             self.group_slots = torch.tensor(slots)
             self.prompt_bias = self.prompt_bias[self.sample_group]
+        device = cache.sample_k.device
+        for name in ("members", "member_of", "index_of", "rows", "bias", "sample_group", "sample_member",
+                     "group_slots", "prompt_bias"):
+            setattr(self, name, getattr(self, name).to(device))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention output of this part's real rows, in the order of ``rows``; q is pre-scaled."""
@@ -290,7 +299,7 @@ class _Part:
         # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.
         plen = self.prompt_len
         if self.single:
-            slot = int(self.group_slots[0])
+            slot = self.single_slot
             pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
             pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
             qg = q_rows.transpose(0, 1).reshape(1, kv_heads, size * rows, dim)

@@ -56,6 +56,10 @@ class Engine:
         self.config = config
         self.dtype = model.output_weight().dtype
         self.device = model.output_weight().device
+        # Kernels on an accelerator run asynchronously; the step's time split (and the draft
+        # budget's cost samples) must wait for them to finish.
+        on_gpu = self.device.type == "cuda"
+        self._sync = (lambda: torch.cuda.synchronize(self.device)) if on_gpu else (lambda: None)
         self.vocab_size = model.config.vocab_size
         # (tokens, attention work, seconds) of recent decode steps: the draft budget's cost model.
         self.forward_costs: deque[tuple[int, float, float]] = deque(maxlen=256)
@@ -74,7 +78,7 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
             seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-            generator = torch.Generator(device="cpu").manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
             stop_ids = set(sp.stop_token_ids)
             if not sp.ignore_eos:
                 stop_ids |= set(self.tokenizer.eos_token_ids)
@@ -203,9 +207,9 @@ class Engine:
         return samples, seen
 
     def _params_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
-        top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
-        top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=self.device)
+        top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=self.device)
+        top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=self.device)
         return temperature, top_k, top_p
 
     def _pack(self, slots: list[Sample], trees: list[DraftTree], padded: bool) -> _Step:
@@ -280,10 +284,12 @@ class Engine:
         padded = cache.valid is not None
         step = self._pack(slots, trees, padded)
         logits = self.model(step.token_ids, step.positions, DecodeAttention(cache, step.layout))
+        self._sync()
         t2 = time.perf_counter()
         results = self._verify(step, logits, spec, _wanted(drafter))
         t3 = time.perf_counter()
         gained = self._commit(step, logits, results, cache, drafter, stats, padded)
+        self._sync()
         t4 = time.perf_counter()
         # The whole step is what a draft token costs: forward, verification and commit grow with it.
         qmax, drafting = int(step.layout.counts.max()), int((step.layout.counts > 1).sum())
@@ -317,17 +323,20 @@ class Engine:
         results: list[tuple] = [None] * len(step.samples)  # type: ignore[list-item]
         for members in by_request.values():
             request = step.samples[members[0]].request
-            rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])])
+            rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])],
+                                device=self.device)
             whole = len(members) == len(step.samples) and rows.numel() == logits.shape[0]
             row_logits = logits if whole else logits[rows]
             sp = request.params
             probs = target_probs(row_logits, *self._params_rows([request] * row_logits.shape[0]))
             trees = [step.trees[b] for b in members]
-            node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long)
-            node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long)
-            node_offsets = torch.tensor([0] + list(_cumsum([len(tree.tokens) for tree in trees])), dtype=torch.long)
+            node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long, device=self.device)
+            node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long,
+                                        device=self.device)
+            node_offsets = torch.tensor([0] + list(_cumsum([len(tree.tokens) for tree in trees])), dtype=torch.long,
+                                        device=self.device)
             has_q = [tree.q is not None for tree in trees if tree.tokens]
-            q = torch.cat([tree.q for tree in trees if tree.tokens]) if has_q and all(has_q) else None
+            q = torch.cat([tree.q for tree in trees if tree.tokens]).to(self.device) if has_q and all(has_q) else None
             scheme = self._scheme(spec, sp, q is not None)
             # The engine builds these tensors itself, so the input checks are skipped here.
             out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
@@ -342,7 +351,8 @@ class Engine:
                 local_rows += [row_base + r for r in rows]
                 local_tokens += tokens
                 row_base += counts[b]
-            appended = probs[torch.tensor(local_rows), torch.tensor(local_tokens)].tolist()
+            appended = probs[torch.tensor(local_rows, device=self.device),
+                             torch.tensor(local_tokens, device=self.device)].tolist()
             top = _top(probs, local_rows, appended, *alternatives)
             start = 0
             for k, b in enumerate(members):
@@ -368,8 +378,9 @@ class Engine:
         """
         # Log-probabilities of every appended token in one gather: rows of the packed batch.
         appended = [_appended(tree, result[0], result[1]) for tree, result in zip(step.trees, results)]
-        flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(appended) for r in rows])
-        flat_tokens = torch.tensor([t for tokens, _ in appended for t in tokens])
+        flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(appended) for r in rows],
+                                 device=self.device)
+        flat_tokens = torch.tensor([t for tokens, _ in appended for t in tokens], device=self.device)
         logsumexp = torch.logsumexp(logits, -1)
         token_logprobs = (logits[flat_rows, flat_tokens] - logsumexp[flat_rows]).tolist()
         move_slots, move_src, move_dst = [], [], []
@@ -404,8 +415,8 @@ class Engine:
             gained += added
             drafter.observe(sample.sample_id, tokens[:added], token_probs[:added],
                             None if alternatives is None else alternatives[:added])
-        cache.keep_paths(torch.tensor(move_slots, dtype=torch.long), torch.tensor(move_src, dtype=torch.long),
-                         torch.tensor(move_dst, dtype=torch.long))
+        cache.keep_paths(*(torch.tensor(index, dtype=torch.long, device=self.device)
+                           for index in (move_slots, move_src, move_dst)))
         return gained
 
     def _append(self, sample: Sample, tokens: list[int], token_logprobs: list[float],
@@ -522,7 +533,8 @@ def _top(probs: torch.Tensor, rows: list[int], token_probs: list[float], k: int,
     if distinct == list(range(probs.shape[0])):
         values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
     else:
-        values, tokens = probs.index_select(0, torch.tensor(distinct)).topk(min(k, probs.shape[-1]), dim=-1)
+        chosen = torch.tensor(distinct, device=probs.device)
+        values, tokens = probs.index_select(0, chosen).topk(min(k, probs.shape[-1]), dim=-1)
     where = {row: j for j, row in enumerate(distinct)}
     tokens, values = tokens.tolist(), values.tolist()
     for i in wanted:
