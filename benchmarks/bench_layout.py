@@ -41,16 +41,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=250, help="tokens already cached per sample")
     parser.add_argument("--prompt", type=int, default=120, help="prompt tokens (one prompt shared by all)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name, checkpoint directory or .gguf")
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
     args = parser.parse_args()
 
     from multispec import LLM
     from multispec.engine import kv_cache
     from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, StepLayout
 
-    llm = LLM()
-    model, dtype = llm.engine.model, llm.engine.dtype
+    llm = LLM(args.model, device=args.device)
+    model, dtype, device = llm.engine.model, llm.engine.dtype, llm.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     batch = args.batch
-    cache = KVCache(model.config, CacheShape(batch, args.context + 8, 1, args.prompt), dtype)
+    cache = KVCache(model.config, CacheShape(batch, args.context + 8, 1, args.prompt), dtype, device)
     for tensor in (cache.sample_k, cache.sample_v, cache.prompt_k, cache.prompt_v):
         tensor.normal_()
     generator = torch.Generator().manual_seed(0)
@@ -65,24 +68,28 @@ def main() -> None:
                 positions.append(args.prompt + args.context + i)
         layout = StepLayout(torch.tensor(counts), torch.full((batch,), args.context),
                             torch.zeros(batch, dtype=torch.long), torch.full((batch,), args.prompt), tree_mask)
-        ids = torch.randint(0, model.config.vocab_size, (sum(counts),), generator=generator)
+        ids = torch.randint(0, model.config.vocab_size, (sum(counts),), generator=generator).to(device)
         rule = kv_cache.split_step
         kv_cache.split_step = lambda b, q, d, t: split and 0 < d < b
         try:
             with torch.inference_mode():
+                sync()
                 start = time.perf_counter()
-                model(ids, torch.tensor(positions), DecodeAttention(cache, layout))
+                model(ids, torch.tensor(positions, device=device), DecodeAttention(cache, layout))
+                sync()
                 return time.perf_counter() - start
         finally:
             kv_cache.split_step = rule
 
     table = shapes(batch)
+    for counts in table.values():  # warm-up: first-call allocations and kernel selection
+        forward(counts, False)
     times: dict[tuple[str, bool], list[float]] = {}
     for _ in range(args.repeats):
         for name, counts in table.items():
             for split in (False, True):
                 times.setdefault((name, split), []).append(forward(counts, split))
-    print(f"{batch} samples, {args.context} cached tokens each, {args.prompt}-token prompt; "
+    print(f"{device}: {batch} samples, {args.context} cached tokens each, {args.prompt}-token prompt; "
           f"median of {args.repeats} forwards, ms")
     print(f"{'shape':<22}{'tokens':>7}{'one part':>10}{'two parts':>11}  rule picks")
     for name, counts in table.items():

@@ -169,6 +169,8 @@ def main() -> None:
                         help="merge the cells run into those already in --out instead of replacing the file: "
                              "the rows rerun replace their old values, the others stay")
     parser.add_argument("--rows", help="comma-separated rows to run in each cell (none is always run too)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name, checkpoint directory or .gguf")
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
     args = parser.parse_args()
     cells = QUICK_CELLS if args.quick else FULL_CELLS
     max_tokens = 128 if args.quick and args.max_tokens == 256 else args.max_tokens
@@ -181,7 +183,11 @@ def main() -> None:
         unknown = [] if requested is None else [r for r in requested if r not in ROWS]
         if unknown:
             sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
-        llm = LLM()
+        try:
+            llm = LLM(args.model, device=args.device)
+        except ValueError as error:
+            sys.exit(f"bench_spec: {error}")
+        print(f"model {args.model} on {llm.device}", file=sys.stderr)
         table = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
         if args.cells:
             cells = [cells[int(i)] for i in args.cells.split(",")]
@@ -199,9 +205,10 @@ def main() -> None:
                               "one_at_a_time": one_at_a_time, "rows": rows})
             else:  # speedups stay same-run ratios: a rerun row comes with its own none
                 old["rows"].update(rows)
-        table.sort(key=lambda c: (c.get("one_at_a_time", False), c["temperature"], c["n"]))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(table, indent=1))
+            # Saved after every cell, so a run cut short keeps what it finished (--from-json redraws it).
+            table.sort(key=lambda c: (c.get("one_at_a_time", False), c["temperature"], c["n"]))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(table, indent=1))
     default_plot = "spec_speedup_quick.png" if args.quick else "spec_speedup.png"
     subtitle = f"{'quick subset, ' if args.quick else ''}max_tokens {max_tokens}"
     plot(table, Path(args.plot or ROOT / "docs" / default_plot), subtitle)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (about 8 minutes on one data-centre GPU):
+#   1. the engine's tests on the GPU: device placement, greedy ids equal to the CPU's, seeded
+#      sampling reproducible, and the lossless-decoding tests (tests/engine/test_speculative.py);
+#   2. forward time per step shape at 16 and 64 samples (benchmarks/bench_layout.py);
+#   3. the speculative decoding benchmark on the GPU (benchmarks/bench_spec.py), as many of its
+#      cells as finish within FULL_TIMEOUT seconds (default 300).
+# Everything lands in $RESULTS (default results/gpu). Run from the repository root with the
+# project's dependencies and the default model installed (see the README):
+#   bash benchmarks/gpu_check.sh
+set -uo pipefail
+RESULTS=${RESULTS:-results/gpu}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 MULTISPEC_NO_PROGRESS=1
+"$PY" -c "
+import sys, torch
+if not torch.cuda.is_available():
+    sys.exit('gpu_check: no CUDA GPU visible to torch')
+print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))
+" || exit 1
+
+status=0
+echo "== tests on cuda"
+MULTISPEC_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_device.py tests/engine/test_speculative.py 2>&1 | tee "$RESULTS/tests.log" || status=1
+
+echo "== forward time per step shape"
+for batch in 16 64; do
+    timeout 120 "$PY" benchmarks/bench_layout.py --device cuda --batch "$batch" --repeats 10 \
+        2>&1 | tee "$RESULTS/layout_$batch.txt" || status=1
+done
+
+echo "== speculative decoding benchmark"
+# The full table, saved cell by cell: what finishes before the timeout is kept and drawn.
+timeout "${FULL_TIMEOUT:-300}" "$PY" benchmarks/bench_spec.py --device cuda --out "$RESULTS/bench_spec.json" \
+    >"$RESULTS/bench_spec_full.log" 2>&1 || echo "full benchmark stopped early (exit $?); keeping finished cells"
+"$PY" benchmarks/bench_spec.py --from-json "$RESULTS/bench_spec.json" --plot "$RESULTS/spec_speedup.png" \
+    2>&1 | tee "$RESULTS/bench_spec.md" || status=1
+exit $status
