@@ -29,7 +29,9 @@ from per-depth acceptance instead, the L that maximises ``B * (1 + E[accepted | 
 ``T = B * (1 + L)`` and ``Qmax = 1 + L``.
 
 The cost samples belong to the engine and outlive a call (they describe the machine and the model,
-plain steps included); while the fit is not identified yet (too few step sizes seen) the budget
+plain steps included), and so does what verification has shown about the drafter's drafts (see
+``Calibration``: a new request starts from what earlier ones measured, not from the drafter's raw
+confidence); while the fit is not identified yet (too few step sizes seen) the budget
 alternates between no draft and a cheap probe, and it keeps a few plain steps in the window (see
 ``MIN_PLAIN``) so the price of drafting at all stays measured.
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
@@ -71,24 +74,60 @@ batches on a CPU) the budget keeps nothing for long stretches, and building ever
 tree each step to throw it away cost 2-4% of the step; probing keeps the budget's answer current
 at a quarter of that."""
 PROBE_EVERY = 4
+MAX_WEIGHT = 2000.0
+"""Observations a calibration cell (or a depth's acceptance) holds at most; past it, old ones
+fade in proportion, so an engine that serves for days follows what its drafts do now."""
+
+
+@dataclass
+class Calibration:
+    """What verification has shown about one drafter's drafts at one sampling setting: acceptance
+    per depth (sampled drafts) and per confidence bin and match length (scored drafts), as
+    (tried, kept) counts over a prior.
+
+    The engine keeps one per setting across calls, because a calibration that starts from the
+    prior each call lets a request sent on its own draft from the drafter's raw confidence until
+    its own steps correct it: measured at 2 x 16 one at a time, in the first 20 steps of a request
+    the budget expected twice the tokens that were accepted (80 against 40)."""
+
+    tried: list[float]
+    kept: list[float]
+    cal_tried: list[list[float]]
+    cal_kept: list[list[float]]
+
+    @classmethod
+    def prior(cls, max_depth: int, max_evidence: int) -> "Calibration":
+        # Pseudo-counts: 50% acceptance per depth worth two observations; each confidence bin
+        # at its own centre, worth PRIOR_WEIGHT.
+        edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
+        centers = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
+        return cls([2.0] * (max_depth + 1), [1.0] * (max_depth + 1),
+                   [[PRIOR_WEIGHT] * (max_evidence + 1) for _ in centers],
+                   [[PRIOR_WEIGHT * c] * (max_evidence + 1) for c in centers])
+
+
+def _count(tried: list[float], kept: list[float], i: int, accepted: float, offered: float = 1.0) -> None:
+    tried[i] += offered
+    kept[i] += accepted
+    if tried[i] > MAX_WEIGHT:
+        scale = MAX_WEIGHT / tried[i]
+        tried[i] *= scale
+        kept[i] *= scale
 
 
 class DraftBudget:
     def __init__(self, max_depth: int, samples: deque[tuple[int, float, float]] | None = None,
-                 max_evidence: int = 4):
+                 max_evidence: int = 4, calibration: Calibration | None = None):
         self.max_depth = max_depth
         self.samples = samples if samples is not None else deque(maxlen=256)
-        # Pseudo-counts: a prior of 50% acceptance per depth, worth two observations.
-        self.tried = [2.0] * (max_depth + 1)
-        self.kept = [1.0] * (max_depth + 1)
         self.steps = 0
         self.idle = 0
         """Steps in a row whose drafts were all left out (or not asked for)."""
         self.max_evidence = max_evidence
-        edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
-        centers = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
-        self.cal_tried = [[PRIOR_WEIGHT] * (max_evidence + 1) for _ in centers]
-        self.cal_kept = [[PRIOR_WEIGHT * c] * (max_evidence + 1) for c in centers]
+        calibration = calibration or Calibration.prior(max_depth, max_evidence)
+        # The lists are the calibration's own: what this budget counts, the engine keeps.
+        self.tried, self.kept = calibration.tried, calibration.kept
+        self.cal_tried, self.cal_kept = calibration.cal_tried, calibration.cal_kept
 
     # ------------------------------------------------------------------ calibration
     def _cell(self, confidence: float, evidence: int) -> tuple[int, int]:
@@ -108,8 +147,7 @@ class DraftBudget:
             for i, parent in enumerate(tree.parents):
                 if parent < 0 or parent in accepted:
                     k, e = self._cell(tree.confidence[i], tree.evidence[i])
-                    self.cal_tried[k][e] += 1.0
-                    self.cal_kept[k][e] += i in accepted
+                    _count(self.cal_tried[k], self.cal_kept[k], e, float(i in accepted))
 
     def wants_drafts(self) -> bool:
         """Whether this step should ask the drafter at all (see ``IDLE_STEPS``); a step it skips
@@ -205,8 +243,7 @@ class DraftBudget:
     def record_acceptance(self, drafted_by_depth: list[int], accepted_by_depth: list[int]) -> None:
         """Counts of draft tokens offered at each depth (parent accepted) and accepted there."""
         for depth in range(1, min(len(drafted_by_depth), self.max_depth + 1)):
-            self.tried[depth] += drafted_by_depth[depth]
-            self.kept[depth] += accepted_by_depth[depth]
+            _count(self.tried, self.kept, depth, accepted_by_depth[depth], drafted_by_depth[depth])
 
     def expected_accepted(self, length: int) -> float:
         total, chain = 0.0, 1.0

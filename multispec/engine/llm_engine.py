@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from multispec.drafters import DraftTree, make_drafter
-from multispec.engine.budget import DraftBudget
+from multispec.engine.budget import Calibration, DraftBudget
 from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, PrefillAttention, StepLayout, kv_bytes_per_token
 from multispec.engine.sampler import target_probs
 from multispec.engine.sequence import Request, Sample
@@ -63,6 +63,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         # (tokens, attention work, seconds) of recent decode steps: the draft budget's cost model.
         self.forward_costs: deque[tuple[int, float, float]] = deque(maxlen=256)
+        # What verification accepted of each drafter's drafts, per sampling setting (see Calibration).
+        self.calibrations: dict[tuple, Calibration] = {}
 
     # ------------------------------------------------------------------ requests and memory
     def make_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
@@ -143,8 +145,9 @@ class Engine:
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
         draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
-        budget = DraftBudget(spec.max_draft_tokens if spec.speculates and spec.adaptive else 0, self.forward_costs,
-                             max_evidence=spec.max_ngram)
+        depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
+        budget = DraftBudget(depth, self.forward_costs, max_evidence=spec.max_ngram,
+                             calibration=self._calibration(spec, depth, requests))
         waiting = deque(requests)
         slots: list[Sample] = []
         next_sample_id = 0
@@ -175,6 +178,17 @@ class Engine:
         stats.time_total = time.perf_counter() - start
         stats.generated_tokens = sum(len(s.output_ids) for r in requests for s in r.samples)
         return [self._output(r) for r in requests], stats
+
+    def _calibration(self, spec: SpecConfig, depth: int, requests: list[Request]) -> Calibration:
+        """The engine's calibration for this drafter at these requests' sampling settings
+        (acceptance depends on both), made from the prior the first time."""
+        settings = tuple(sorted({(round(r.params.temperature, 2), r.params.top_k, round(r.params.top_p, 2))
+                                 for r in requests}))
+        key = (spec.drafter, spec.aggregate, spec.sampled_drafts, spec.scheme, spec.min_ngram, spec.max_ngram, depth,
+               settings)
+        if key not in self.calibrations:
+            self.calibrations[key] = Calibration.prior(depth, spec.max_ngram)
+        return self.calibrations[key]
 
     def _prefill(self, requests: list[Request], cache: KVCache, stats: RunStats,
                  alternatives: tuple[int, float] = (0, 0.0)):

@@ -5,7 +5,8 @@ from collections import deque
 import pytest
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import IDLE_STEPS, MARGIN, MIN_PLAIN, PROBE_EVERY, DraftBudget
+from multispec.engine.budget import (IDLE_STEPS, MARGIN, MAX_WEIGHT, MIN_PLAIN, PRIOR_WEIGHT, PROBE_EVERY, Calibration,
+                                     DraftBudget)
 
 CONTEXT = 200
 
@@ -186,3 +187,24 @@ def test_after_a_stretch_of_empty_steps_the_drafter_is_asked_only_to_probe():
         pass
     assert len(budget.select([chain([0.995])] * 8, CONTEXT)[0]) == 1
     assert all(budget.wants_drafts() for _ in range(3 * PROBE_EVERY))
+
+
+def test_calibration_is_shared_and_fades_past_its_cap():
+    """A budget counts into the Calibration it was given (the engine's, which outlives the call);
+    past MAX_WEIGHT observations a cell keeps its acceptance ratio but weighs old evidence less."""
+    calibration = Calibration.prior(4, 4)
+    tree = DraftTree([1, 2], [-1, 0], None, confidence=[0.97, 0.97], evidence=[4, 4])
+    first = DraftBudget(4, calibration=calibration)
+    first.record_nodes([tree], [[0]])  # node 0 accepted, node 1 tried and rejected
+    k, e = first._cell(0.97, 4)
+    assert calibration.cal_tried[k][e] == PRIOR_WEIGHT + 2
+    second = DraftBudget(4, calibration=calibration)  # the next call starts from there
+    assert second.calibrated(0.97, 4) == first.calibrated(0.97, 4) != DraftBudget(4).calibrated(0.97, 4)
+    for _ in range(3 * int(MAX_WEIGHT)):
+        second.record_nodes([tree], [[0, 1]] if _ % 4 else [[]])  # 3 of 4 steps accept both nodes
+    assert calibration.cal_tried[k][e] <= MAX_WEIGHT
+    # Every 4 steps the cell sees 7 tries (the first node 4 times, the second 3 times, after the
+    # first was accepted) and 6 acceptances; long after the prior has faded it reads 6/7.
+    assert abs(second.calibrated(0.97, 4) - 6 / 7) < 0.02
+    second.record_acceptance([0, 5000], [0, 2500])
+    assert calibration.tried[1] <= MAX_WEIGHT and abs(calibration.kept[1] / calibration.tried[1] - 0.5) < 0.01

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from multispec import SamplingParams
+from multispec import SamplingParams, SpecConfig
 from multispec.engine.kv_cache import kv_bytes_per_token
 from multispec.engine.llm_engine import GIB
 
@@ -155,3 +155,18 @@ def test_first_token_distribution_is_the_models(llm):
     expected = [float(probs[t]) for t in top] + [1 - float(probs[top].sum())]
     expected = [e * n / sum(expected) for e in expected]
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_draft_calibration_outlives_a_call(llm):
+    """The engine keeps what verification showed of a drafter's drafts, per sampling setting, so
+    a request sent on its own does not start again from the drafter's raw confidence."""
+    spec = SpecConfig(drafter="consensus")
+    params = SamplingParams(n=4, temperature=0.7, max_tokens=24, seed=0)
+    llm.engine.calibrations.clear()
+    llm.generate("Count: 1, 2, 3, 4, 5,", params, spec, use_tqdm=False)
+    (key, calibration), = llm.engine.calibrations.items()
+    seen = sum(map(sum, calibration.cal_tried))
+    llm.generate("Count: 10, 20, 30, 40,", params, spec, use_tqdm=False)
+    assert list(llm.engine.calibrations) == [key] and sum(map(sum, calibration.cal_tried)) > seen
+    llm.generate("Count: 1, 2, 3,", SamplingParams(n=4, temperature=0, max_tokens=8), spec, use_tqdm=False)
+    assert len(llm.engine.calibrations) == 2  # greedy acceptance is calibrated on its own
