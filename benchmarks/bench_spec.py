@@ -25,6 +25,9 @@ a CPU, so the n = 64 cell and the temperature 1.0 cell keep to the rows they are
     python benchmarks/bench_spec.py --quick   # a few-minute subset
     python benchmarks/bench_spec.py --cells 0 --append   # rerun one cell into the saved table
     python benchmarks/bench_spec.py --rows consensus-auto --append   # rerun the default's rows (and none)
+    python benchmarks/bench_spec.py --cells 1 --rows consensus,ngram --depth 6 --nodes 12 \\
+        --out results/tree.json --plot results/tree.png
+                                              # drafts as trees of 12 nodes, 6 deep
 """
 
 from __future__ import annotations
@@ -55,15 +58,16 @@ QUICK_CELLS = [(2, 4, 0.7, ALL, [], False), (2, 16, 0.7, ALL + ("consensus-padde
                (1, 4, 0.7, SMALL, [], True)]
 
 
-def configs(depth: int, labels):
+def configs(depth: int, labels, nodes: int | None = None):
     from multispec import SpecConfig
 
-    fixed = dict(max_draft_tokens=depth, max_draft_nodes=depth, adaptive=False)
+    nodes = nodes or depth
+    fixed = dict(max_draft_tokens=depth, max_draft_nodes=nodes, adaptive=False)
     specs = {"none": SpecConfig(drafter="none"),
              "consensus": SpecConfig(drafter="consensus", **fixed),
              "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False, **fixed),
              "ngram": SpecConfig(drafter="ngram", **fixed),
-             "consensus-auto": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=depth),
+             "consensus-auto": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=nodes),
              "consensus-padded": SpecConfig(drafter="consensus", batching="padded", **fixed),
              "consensus-1": SpecConfig(drafter="consensus", max_draft_tokens=1, max_draft_nodes=1, adaptive=False)}
     return [(label, specs[label]) for label in labels]
@@ -87,7 +91,7 @@ def chat_stats(llm, conversations, params, spec, one_at_a_time: bool):
 
 
 def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_tokens: int, depth: int,
-             one_at_a_time: bool = False):
+             one_at_a_time: bool = False, nodes: int | None = None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
     from multispec.reasoning.gsm8k import INSTRUCTION
@@ -97,7 +101,7 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
     results = {}
     for run, labels in enumerate(schedule):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
-        for label, spec in configs(depth, labels):
+        for label, spec in configs(depth, labels, nodes):
             s = chat_stats(llm, conversations, params, spec, one_at_a_time)
             step_time = s.time_draft + s.time_forward + s.time_verify + s.time_commit
             results.setdefault(label, []).append({
@@ -161,6 +165,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--depth", type=int, default=4, help="draft tokens per sample per step")
+    parser.add_argument("--nodes", type=int, help="draft-tree nodes per sample per step (default: --depth, a chain)")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_spec.json"))
     parser.add_argument("--plot", help="PNG path (default docs/spec_speedup.png, or docs/spec_speedup_quick.png)")
     parser.add_argument("--from-json", help="only redraw the table and plot from a saved result file")
@@ -196,7 +201,8 @@ def main() -> None:
             if requested is not None:  # the first run runs every row asked for, further runs keep theirs
                 schedule = [requested] + [[label for label in labels if label in requested] for labels in further]
                 schedule = [labels for labels in schedule if len(labels) > 1]
-            rows = run_cell(llm, questions, n, temperature, schedule, max_tokens, args.depth, one_at_a_time)
+            rows = run_cell(llm, questions, n, temperature, schedule, max_tokens, args.depth, one_at_a_time,
+                            args.nodes)
             key = (questions, n, temperature, one_at_a_time)
             old = next((c for c in table if (c["questions"], c["n"], c["temperature"],
                                              c.get("one_at_a_time", False)) == key), None)
@@ -212,7 +218,8 @@ def main() -> None:
     default_plot = "spec_speedup_quick.png" if args.quick else "spec_speedup.png"
     subtitle = f"{'quick subset, ' if args.quick else ''}max_tokens {max_tokens}"
     plot(table, Path(args.plot or ROOT / "docs" / default_plot), subtitle)
-    print(f"max_tokens {max_tokens}, draft depth {args.depth}; speedup = tokens/s over drafter none in the same run\n")
+    print(f"max_tokens {max_tokens}, draft depth {args.depth}, nodes {args.nodes or args.depth}; "
+          "speedup = tokens/s over drafter none in the same run\n")
     print("| questions x n | T | drafter | runs | tau | acceptance | tok/s | speedup | draft share of step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for cell in table:
