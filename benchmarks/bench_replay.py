@@ -77,6 +77,18 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
     return [groups[k] for k in sorted(groups)]
 
 
+def recording(questions: int, n: int, temperature: float, max_tokens: int, seed: int,
+              cache: Path = ROOT / "results" / "replay") -> list[dict]:
+    """``record``'s groups, from ``cache`` where an earlier run left them."""
+    name = f"q{questions}_n{n}_T{temperature}_t{max_tokens}_s{seed}_a{RECORDED_ALTERNATIVES}"
+    path = cache / f"{name}.json"
+    if not path.exists():
+        print(f"recording {path.name} (plain sampling)...", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record(questions, n, temperature, max_tokens, seed)))
+    return json.loads(path.read_text())
+
+
 def accepted(tree, text: list[int], at: int) -> int:
     """Length of the tree's longest path that ``text`` follows from position ``at``."""
     depth = {-1: 0}
@@ -175,15 +187,8 @@ def main() -> None:
                         help="also print what the sources offer for the next token (consensus, 4:4)")
     args = parser.parse_args()
     budgets = [tuple(int(x) for x in b.split(":")) for b in args.budgets]
-    recordings = []
-    for seed in args.seeds:
-        name = f"q{args.questions}_n{args.n}_T{args.temperature}_t{args.max_tokens}_s{seed}_a{RECORDED_ALTERNATIVES}"
-        path = Path(args.cache) / f"{name}.json"
-        if not path.exists():
-            print(f"recording {path.name} (plain sampling)...", file=sys.stderr)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(record(args.questions, args.n, args.temperature, args.max_tokens, seed)))
-        recordings.append(json.loads(path.read_text()))
+    recordings = [recording(args.questions, args.n, args.temperature, args.max_tokens, seed, Path(args.cache))
+                  for seed in args.seeds]
     print(f"{args.questions} questions x n = {args.n}, T {args.temperature}, max_tokens {args.max_tokens}, "
           f"seeds {args.seeds} (mean over seeds); tau = tokens per sample-step, acc = accepted / drafted\n")
     print("| nodes:depth | " + " | ".join(f"{name} tau (acc)" for name in VARIANTS) + " | consensus / ngram tau |")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (about 8 minutes on one data-centre GPU):
+# The checks that need a CUDA GPU, in one run (about 12 minutes on one data-centre GPU):
 #   1. the engine's tests on the GPU: device placement, greedy ids equal to the CPU's, seeded
 #      sampling reproducible, and the lossless-decoding tests (tests/engine/test_speculative.py);
 #   2. forward time per step shape at 16 and 64 samples (benchmarks/bench_layout.py);
-#   3. the speculative decoding benchmark on the GPU (benchmarks/bench_spec.py), as many of its
+#   3. the speedup speculation could reach there at all (benchmarks/bench_ceiling.py: step cost
+#      per draft length in every cell, against perfect, target-greedy and consensus drafts);
+#   4. the speculative decoding benchmark on the GPU (benchmarks/bench_spec.py), as many of its
 #      cells as finish within FULL_TIMEOUT seconds (default 300).
 # Everything lands in $RESULTS (default results/gpu). Run from the repository root with the
 # project's dependencies and the default model installed (see the README):
@@ -30,6 +32,10 @@ for batch in 16 64; do
     timeout 120 "$PY" benchmarks/bench_layout.py --device cuda --batch "$batch" --repeats 10 \
         2>&1 | tee "$RESULTS/layout_$batch.txt" || status=1
 done
+
+echo "== ceiling: step cost per draft length"
+timeout 300 "$PY" benchmarks/bench_ceiling.py --device cuda --seeds 0 \
+    --cells "4, one at a time;16, one at a time;8x4;8x16;4x64" 2>&1 | tee "$RESULTS/ceiling.txt" || status=1
 
 echo "== speculative decoding benchmark"
 # The full table, saved cell by cell: what finishes before the timeout is kept and drawn.

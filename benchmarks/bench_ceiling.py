@@ -1,0 +1,224 @@
+"""The most speculation can gain on this machine, from what a step costs and what drafts can hit.
+
+A step in which each of B samples carries L draft tokens costs S(B, L) and moves each sample by
+tau(L) tokens on average, so against plain decoding on the same hardware
+
+    speedup(B, L) = tau(L) * S(B, 0) / S(B, L).
+
+Part 1 measures S(B, L) in the engine itself, with B samples in flight as in the benchmark's
+cells (one question x n for the "one at a time" cells, all questions at once for the batched
+ones). One generation per cell and repetition: plain steps until every sample has ``--context``
+tokens (mid-way through a 256-token answer, so the caches are as full as on an average step of
+``bench_spec.py``), then steps that cycle through the draft lengths, every sample drafting the
+same L-token chain of filler, each timed from its drafting to the next step's (forward,
+verification, commit and the loop around them). Filler costs nothing to draft and is never
+accepted; a real draft adds its drafting time and, where accepted, the cache moves of its path,
+so real steps cost at least this much.
+
+Part 2 takes tau(L) three ways:
+- perfect drafts, every token accepted: tau = 1 + L. No drafter and no verification scheme does
+  better, so this column bounds every speculative method on this hardware at this batch size
+  (for drafts of the same length in every sample; a mix of lengths costs in between).
+- the target's own greedy chain (its most likely token at each position, given the path so far)
+  in every sample: at L = 1 the most any one-token deterministic draft is accepted, near it for
+  longer chains. Read from plain samples of the default model (``bench_replay.py``'s recordings,
+  8 GSM8K questions x 16, T 0.7): a chain is accepted for as long as the sample's recorded tokens
+  are the target's most likely ones, as the deterministic scheme accepts it.
+- the consensus drafter's own L-token chains, replayed on the same recordings (n = 4 cells use
+  the recordings' 16 siblings as four groups of 4; n = 64 has only the 16, which understates it). The default budget, which drafts per node
+  where drafts pay, does better than a fixed chain in every sample.
+
+    python benchmarks/bench_ceiling.py     # 4 and 16 samples one at a time, 8x4, 8x16 (20 minutes here)
+    python benchmarks/bench_ceiling.py --cells 4x64 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CELLS = {  # name: (questions in flight, samples per question)
+    "4, one at a time": (1, 4),
+    "16, one at a time": (1, 16),
+    "8x4": (8, 4),
+    "8x16": (8, 16),
+    "4x64": (4, 64),
+}
+DEFAULT_CELLS = "4, one at a time;16, one at a time;8x4;8x16"
+FILLER = 0
+"""The draft token of every cost-measuring chain (never the token sampled in practice)."""
+
+
+class FillerDrafter:
+    """Times steps of every draft length at one context: ``warm`` plain steps first (the samples'
+    caches fill to a mid-generation length), then steps that cycle through ``lengths``, every sample
+    drafting the same L-token chain of filler. The cost side of speculation alone."""
+
+    alternatives = 0
+    min_alternative = 0.0
+
+    def __init__(self, lengths: list[int], warm: int):
+        from multispec.drafters import DraftTree
+
+        self.trees = {L: DraftTree([FILLER] * L, list(range(-1, L - 1)), None) if L else DraftTree.EMPTY
+                      for L in lengths}
+        self.empty = DraftTree.EMPTY
+        self.lengths, self.warm = lengths, warm
+        self.clock = time.perf_counter
+        self.starts: list[tuple[float, int | None]] = []
+        """When each step asked for drafts, and the draft length it got (None: not timed)."""
+
+    def add_group(self, group_id, prompt_ids, sample_ids):
+        pass
+
+    def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
+        pass
+
+    def remove(self, sample_id):
+        pass
+
+    def propose(self, sample_ids, budgets, generator=None):
+        step = len(self.starts) - self.warm
+        length = 0 if step < 0 else self.lengths[step % len(self.lengths)]
+        timed = step >= 0 and all(budget >= length for budget in budgets)
+        self.starts.append((self.clock(), length if timed else None))
+        return [self.trees[length] if budget >= length else self.empty for budget in budgets]
+
+    def step_seconds(self) -> dict[int, float]:
+        """Per draft length, the mean time from a step's drafting to the next step's: forward,
+        verification, commit and the loop around them."""
+        spans: dict[int, list[float]] = {}
+        for (start, length), (end, _) in zip(self.starts, self.starts[1:]):
+            if length is not None:
+                spans.setdefault(length, []).append(end - start)
+        return {length: statistics.mean(values) for length, values in spans.items()}
+
+
+def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int, per_length: int,
+               device: str) -> dict:
+    """{(cell, L): [seconds per step, one per repeat]}, ``context`` tokens into every sample."""
+    import multispec.engine.llm_engine as llm_engine
+    from multispec import LLM, SamplingParams, SpecConfig
+    from multispec.reasoning import load_gsm8k
+    from multispec.reasoning.gsm8k import INSTRUCTION
+
+    llm = LLM(device=device)
+    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=8)]
+    made = llm_engine.make_drafter
+    deepest = max(lengths)
+
+    def run(cell: str, order: list[int], warm: int, seed: int) -> dict[int, float]:
+        questions, n = CELLS[cell]
+        drafter = FillerDrafter(order, warm)
+        llm_engine.make_drafter = lambda kind, **kw: drafter
+        try:
+            spec = SpecConfig(drafter="ngram", max_draft_tokens=max(deepest, 1), max_draft_nodes=max(deepest, 1),
+                              adaptive=False)
+            # Filler is almost never accepted, so a sample gains one token a step: room for the
+            # plain steps, the timed ones and a whole chain at the last of them.
+            steps = warm + per_length * len(order)
+            params = SamplingParams(n=n, temperature=0.7, max_tokens=steps + deepest + 2, ignore_eos=True, seed=seed)
+            llm.chat(conversations[:questions], params, spec, use_tqdm=False)
+        finally:
+            llm_engine.make_drafter = made
+        return drafter.step_seconds()
+
+    run(cells[0], lengths, 4, 0)  # warm-up: first-call allocations and kernel selection
+    costs: dict[tuple[str, int], list[float]] = {}
+    for repeat in range(repeats):
+        order = lengths if repeat % 2 == 0 else lengths[::-1]  # no length always follows the same one
+        for cell in cells:
+            started = time.perf_counter()
+            for length, seconds in run(cell, order, context, repeat).items():
+                costs.setdefault((cell, length), []).append(seconds)
+            print(f"  [{repeat + 1}/{repeats}] {cell}: " + ", ".join(
+                f"L {L} {1e3 * costs[(cell, L)][-1]:.0f} ms" for L in lengths) +
+                f" ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    return costs
+
+
+def greedy_tau(groups: list[dict], length: int) -> float:
+    """Mean tokens per step when each sample drafts the target's most likely L-token chain."""
+    advance = steps = 0
+    for group in groups:
+        for sample in group["samples"]:
+            tokens, alternatives = sample["tokens"], sample["alternatives"]
+            done = 1  # the first token comes from the prefill
+            while done < len(tokens):
+                hit = 0
+                while (hit < length and done + hit < len(tokens) and alternatives[done + hit] is not None
+                       and alternatives[done + hit][0][0] == tokens[done + hit]):
+                    hit += 1
+                done += min(hit + 1, len(tokens) - done)
+                advance += hit + 1
+                steps += 1
+    return advance / steps
+
+
+def split_groups(groups: list[dict], n: int) -> list[dict]:
+    """Each group's siblings as groups of ``n`` (siblings are independent samples of one prompt)."""
+    return [{"prompt": g["prompt"], "samples": g["samples"][i:i + n]}
+            for g in groups for i in range(0, len(g["samples"]) - n + 1, n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"';'-separated, from: {'; '.join(CELLS)}")
+    parser.add_argument("--lengths", default="0,1,2,3,4,5,6", help="draft tokens per sample (0 = plain, always run)")
+    parser.add_argument("--repeats", type=int, default=3, help="generations per cell, each timing every length")
+    parser.add_argument("--context", type=int, default=128,
+                        help="tokens each sample has generated when the timed steps start (plain steps until then)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per draft length in a measurement")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="replay recordings (bench_replay.py)")
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    args = parser.parse_args()
+    cells = [c.strip() for c in args.cells.split(";") if c.strip()]
+    for cell in cells:
+        if cell not in CELLS:
+            parser.error(f"unknown cell {cell!r}; expected one of: {'; '.join(CELLS)}")
+    lengths = sorted({0, *(int(x) for x in args.lengths.split(","))})
+
+    from bench_replay import recording, replay
+
+    recordings = [recording(8, 16, 0.7, 256, seed) for seed in args.seeds]
+    greedy = {L: statistics.mean(greedy_tau(groups, L) for groups in recordings) for L in lengths}
+    consensus: dict[tuple[int, int], float] = {}
+    for n in sorted({CELLS[cell][1] for cell in cells}):
+        for L in lengths:
+            consensus[(n, L)] = 1.0 if L == 0 else statistics.mean(
+                replay(split_groups(groups, min(n, 16)), "consensus", L, L)["tau"] for groups in recordings)
+
+    costs = step_costs(cells, lengths, args.repeats, args.context, args.steps, args.device)
+    print(f"\nSpeedup over plain decoding that steps with L-token drafts allow: tau(L) x S(B, 0) / S(B, L).\n"
+          f"S: a whole step but drafting, {args.context} tokens into the samples (step ms: median over "
+          f"{args.repeats} repetitions; step / plain: median of the ratio within each repetition).\n"
+          f"tau: from recordings (8 GSM8K questions x 16, T 0.7, seeds {args.seeds}).\n")
+    print("| samples in flight | L | step ms | step / plain | perfect drafts | target's greedy chain "
+          "| consensus chain |")
+    print("|---|---|---|---|---|---|---|")
+    best: dict[str, tuple] = {}
+    for cell in cells:
+        questions, n = CELLS[cell]
+        rows = []
+        for L in lengths:
+            step = statistics.median(costs[(cell, L)])
+            # Each repetition's lengths ran interleaved in one generation: ratios within it, then the median.
+            ratio = statistics.median(s / p for s, p in zip(costs[(cell, L)], costs[(cell, 0)]))
+            bounds = ((1 + L) / ratio, greedy[L] / ratio, consensus[(n, L)] / ratio)
+            rows.append((L, bounds))
+            print(f"| {cell} ({questions * n}) | {L} | {1e3 * step:.1f} | {ratio:.2f} | {bounds[0]:.2f}x "
+                  f"| {bounds[1]:.2f}x (tau {greedy[L]:.2f}) | {bounds[2]:.2f}x (tau {consensus[(n, L)]:.2f}) |")
+        best[cell] = tuple(max(rows, key=lambda row: row[1][k]) for k in range(3))
+    print("\nBest over L (draft length):")
+    for cell, picks in best.items():
+        print(f"  {cell}: perfect drafts {picks[0][1][0]:.2f}x (L {picks[0][0]}), target's greedy chain "
+              f"{picks[1][1][1]:.2f}x (L {picks[1][0]}), consensus chain {picks[2][1][2]:.2f}x (L {picks[2][0]})")
+
+
+if __name__ == "__main__":
+    main()
