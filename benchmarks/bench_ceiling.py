@@ -11,8 +11,9 @@ ones). One generation per cell and repetition: plain steps until every sample ha
 tokens (mid-way through a 256-token answer, so the caches are as full as on an average step of
 ``bench_spec.py``), then steps that cycle through the draft lengths, every sample drafting the
 same L-token chain of filler, each timed from its drafting to the next step's (forward,
-verification, commit and the loop around them). Filler costs nothing to draft and is never
-accepted; a real draft adds its drafting time and, where accepted, the cache moves of its path,
+verification, commit and the loop around them). Filler (the end-of-text token, which a chat
+model rarely samples mid-answer; the progress lines count how often it was accepted) costs nothing
+to draft; a real draft adds its drafting time and, where accepted, the cache moves of its path,
 so real steps cost at least this much.
 
 Part 2 takes tau(L) three ways:
@@ -51,7 +52,7 @@ CELLS = {  # name: (questions in flight, samples per question)
 }
 DEFAULT_CELLS = "4, one at a time;16, one at a time;8x4;8x16"
 FILLER = 0
-"""The draft token of every cost-measuring chain (never the token sampled in practice)."""
+"""The draft token of every cost-measuring chain: SmolLM2's end-of-text token, rarely sampled."""
 
 
 class FillerDrafter:
@@ -111,6 +112,7 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
     conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=8)]
     made = llm_engine.make_drafter
     deepest = max(lengths)
+    accepted: dict[str, tuple[int, int]] = {}
 
     def run(cell: str, order: list[int], warm: int, seed: int) -> dict[int, float]:
         questions, n = CELLS[cell]
@@ -126,6 +128,7 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
             llm.chat(conversations[:questions], params, spec, use_tqdm=False)
         finally:
             llm_engine.make_drafter = made
+        accepted[cell] = (llm.last_stats.accepted_tokens, llm.last_stats.drafted_tokens)
         return drafter.step_seconds()
 
     run(cells[0], lengths, 4, 0)  # warm-up: first-call allocations and kernel selection
@@ -138,7 +141,8 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
                 costs.setdefault((cell, length), []).append(seconds)
             print(f"  [{repeat + 1}/{repeats}] {cell}: " + ", ".join(
                 f"L {L} {1e3 * costs[(cell, L)][-1]:.0f} ms" for L in lengths) +
-                f" ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+                f" (filler accepted {accepted[cell][0]} of {accepted[cell][1]}; {time.perf_counter() - started:.0f} s)",
+                file=sys.stderr, flush=True)
     return costs
 
 
