@@ -7,7 +7,8 @@ per question the default budget, then every sample drafting one token, then fixe
 drafts, so the window sees the shapes each policy makes) and replays the fit offline:
 
 - held-out error: each step's time predicted by the fit to the 256 steps before it, for the
-  budget's least squares and for two robust losses (Huber by reweighting, scipy's soft-L1);
+  budget's least squares and for two robust losses (Huber by reweighting, scipy's soft-L1), and by
+  least squares on a window that keeps the last 64 steps of every shape (tokens per sample);
 - the fit's predicted cost of a step in which all 16 samples draft 1, 2 or 4 tokens against a
   plain step, window by window (``bench_ceiling.py`` measures those ratios directly).
 
@@ -26,12 +27,21 @@ from scipy.optimize import least_squares, nnls
 WINDOW = 256
 
 
-def features(steps: np.ndarray) -> np.ndarray:
-    return np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1], steps[:, 3]])
+def features(steps: np.ndarray, kv: bool = False) -> np.ndarray:
+    """The budget's features (1, T, W, S); with ``kv`` also the keys read per step, samples times
+    context (WORK_UNIT-scaled like W), which W (query rows times context) counts once per row."""
+    columns = [np.ones(len(steps)), steps[:, 0], steps[:, 1], steps[:, 3]]
+    if kv:
+        columns.append(steps[:, 4] * steps[:, 5] / 1e4)
+    return np.column_stack(columns)
 
 
 def fit_least_squares(steps: np.ndarray) -> np.ndarray:
     return nnls(features(steps), steps[:, 2])[0]
+
+
+def fit_with_kv(steps: np.ndarray) -> np.ndarray:
+    return nnls(features(steps, kv=True), steps[:, 2])[0]
 
 
 def fit_huber(steps: np.ndarray, rounds: int = 5) -> np.ndarray:
@@ -53,24 +63,40 @@ def fit_soft_l1(steps: np.ndarray) -> np.ndarray:
                          f_scale=0.05 * float(np.median(y))).x
 
 
-FITS = {"least squares (budget)": fit_least_squares, "Huber": fit_huber, "soft L1": fit_soft_l1}
+FITS = {"least squares (budget)": fit_least_squares, "Huber": fit_huber, "soft L1": fit_soft_l1,
+        "least squares + keys-read term": fit_with_kv}
+PER_SHAPE = 64
+"""Steps of each shape the stratified window keeps."""
+
+
+def stratified(steps: np.ndarray, t: int, batch: int) -> np.ndarray:
+    """The last ``PER_SHAPE`` steps before ``t`` of every shape (tokens per sample, rounded up)."""
+    shapes = np.ceil(steps[:t, 0] / batch)
+    keep = np.concatenate([np.flatnonzero(shapes == shape)[-PER_SHAPE:] for shape in np.unique(shapes)])
+    return steps[np.sort(keep)]
 
 
 def record(questions: int, n: int) -> np.ndarray:
-    """(tokens, work, seconds, drafted) of every decode step of the live runs."""
+    """(tokens, work, seconds, drafted, samples, context) of every decode step of the live runs."""
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.engine import budget
     from multispec.reasoning import load_gsm8k
     from multispec.reasoning.gsm8k import INSTRUCTION
 
-    steps: list[tuple[float, float, float, float]] = []
-    recorded = budget.DraftBudget.record_forward
+    steps: list[tuple[float, ...]] = []
+    recorded, work = budget.DraftBudget.record_forward, budget.DraftBudget.work
+    shape: list[tuple[int, int]] = []
+
+    def work_seen(batch, qmax, context, drafting=None, tokens=None):  # the engine calls it just before
+        shape[:] = [(batch, context)]
+        return work(batch, qmax, context, drafting, tokens)
 
     def record_forward(self, tokens, work, seconds, speculative=False):
-        steps.append((tokens, work, seconds, float(speculative)))
+        steps.append((tokens, work, seconds, float(speculative), *shape[0]))
         recorded(self, tokens, work, seconds, speculative)
 
     budget.DraftBudget.record_forward = record_forward
+    budget.DraftBudget.work = staticmethod(work_seen)
     try:
         llm = LLM()
         policies = [SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=4),
@@ -83,6 +109,7 @@ def record(questions: int, n: int) -> np.ndarray:
                          use_tqdm=False)
     finally:
         budget.DraftBudget.record_forward = recorded
+        budget.DraftBudget.work = staticmethod(work)
     return np.array(steps, dtype=np.float64)
 
 
@@ -95,22 +122,25 @@ def main() -> None:
     from multispec.engine.budget import DraftBudget
 
     steps = record(args.questions, args.n)
-    errors: dict[str, list[float]] = {name: [] for name in FITS}
-    ratios: dict[str, list[tuple[int, list[float]]]] = {name: [] for name in FITS}
     batch = args.n
+    variants = {name: (fit, False) for name, fit in FITS.items()}
+    variants[f"least squares, last {PER_SHAPE} steps of each shape"] = (fit_least_squares, True)
+    errors: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[tuple[int, list[float]]]] = {name: [] for name in variants}
     for t in range(64, len(steps)):
         window = steps[max(0, t - WINDOW):t]
         if len({s[0] for s in window}) < 3:
             continue
-        row = features(steps[t:t + 1])[0]
-        for name, fit in FITS.items():
-            coef = fit(window)
+        for name, (fit, by_shape) in variants.items():
+            coef = fit(stratified(steps, t, batch) if by_shape else window)
+            row = features(steps[t:t + 1], kv=len(coef) == 5)[0]
             errors[name].append(abs(row @ coef - steps[t, 2]) / steps[t, 2])
             if t % 100 == 0:
                 def cost(length: int) -> float:
+                    keys = coef[4] * batch * args.context / 1e4 if len(coef) == 5 else 0.0
                     return float(coef[0] + coef[1] * batch * (1 + length)
                                  + coef[2] * DraftBudget.work(batch, 1 + length, args.context)
-                                 + (coef[3] if length else 0.0))
+                                 + (coef[3] if length else 0.0) + keys)
                 ratios[name].append((t, [cost(L) / cost(0) for L in (1, 2, 4)]))
     print(f"{len(steps)} steps ({int(steps[:, 3].sum())} with drafts); window {WINDOW}\n")
     print("| fit | median error | mean error |")
