@@ -7,8 +7,9 @@ per question the default budget, then every sample drafting one token, then fixe
 drafts, so the window sees the shapes each policy makes) and replays the fit offline:
 
 - held-out error: each step's time predicted by the fit to the 256 steps before it, for the
-  budget's least squares and for two robust losses (Huber by reweighting, scipy's soft-L1), and by
-  least squares on a window that keeps the last 64 steps of every shape (tokens per sample);
+  budget's least squares, two robust losses (Huber by reweighting, scipy's soft-L1), least
+  squares with one more term for the keys a step reads (samples times context), and least squares
+  on a window that keeps the last 64 steps of every shape (tokens per sample);
 - the fit's predicted cost of a step in which all 16 samples draft 1, 2 or 4 tokens against a
   plain step, window by window (``bench_ceiling.py`` measures those ratios directly).
 
