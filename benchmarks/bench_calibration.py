@@ -33,7 +33,6 @@ def main() -> None:
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.engine.llm_engine import Engine
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     nodes: list[tuple[float, int, bool]] = []
     verify = Engine._verify
@@ -51,8 +50,7 @@ def main() -> None:
 
     Engine._verify = recording_verify
     llm = LLM()
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}]
-                     for p in load_gsm8k(limit=args.questions)]
+    conversations = [p.chat() for p in load_gsm8k(limit=args.questions)]
     spec = SpecConfig(drafter=args.drafter, max_draft_tokens=args.depth, max_draft_nodes=args.depth, adaptive=False)
     llm.chat(conversations, SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
                                            seed=args.seed), spec, use_tqdm=False)

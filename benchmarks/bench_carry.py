@@ -81,14 +81,13 @@ def main() -> None:
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.engine import llm_engine
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     expected: dict[str, dict[int, float]] = {mode: defaultdict(float) for mode in ("restarted", "kept")}
     accepted: dict[str, dict[int, float]] = {mode: defaultdict(float) for mode in ("restarted", "kept")}
     base = llm_engine.DraftBudget
     llm = LLM()
     questions = load_gsm8k(limit=args.questions + 1)
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in questions]
+    conversations = [p.chat() for p in questions]
     warm_up, conversations = conversations[-1], conversations[:-1]
     spec, plain = SpecConfig(drafter="consensus"), SpecConfig(drafter="none")
 

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from multispec.drafters import DraftTree, NoDrafter
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CELLS = {  # name: (questions in flight, samples per question)
@@ -55,17 +57,12 @@ FILLER = 0
 """The draft token of every cost-measuring chain: SmolLM2's end-of-text token, rarely sampled."""
 
 
-class FillerDrafter:
+class FillerDrafter(NoDrafter):
     """Times steps of every draft length at one context: ``warm`` plain steps first (the samples'
     caches fill to a mid-generation length), then steps that cycle through ``lengths``, every sample
     drafting the same L-token chain of filler. The cost side of speculation alone."""
 
-    alternatives = 0
-    min_alternative = 0.0
-
     def __init__(self, lengths: list[int], warm: int):
-        from multispec.drafters import DraftTree
-
         self.trees = {L: DraftTree([FILLER] * L, list(range(-1, L - 1)), None) if L else DraftTree.EMPTY
                       for L in lengths}
         self.empty = DraftTree.EMPTY
@@ -73,15 +70,6 @@ class FillerDrafter:
         self.clock = time.perf_counter
         self.starts: list[tuple[float, int | None]] = []
         """When each step asked for drafts, and the draft length it got (None: not timed)."""
-
-    def add_group(self, group_id, prompt_ids, sample_ids):
-        pass
-
-    def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
-        pass
-
-    def remove(self, sample_id):
-        pass
 
     def propose(self, sample_ids, budgets, generator=None):
         step = len(self.starts) - self.warm
@@ -106,10 +94,9 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
     import multispec.engine.llm_engine as llm_engine
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     llm = LLM(device=device)
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=8)]
+    conversations = [p.chat() for p in load_gsm8k(limit=8)]
     made = llm_engine.make_drafter
     deepest = max(lengths)
     accepted: dict[str, tuple[int, int]] = {}

@@ -82,7 +82,6 @@ def record(questions: int, n: int) -> np.ndarray:
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.engine import budget
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     steps: list[tuple[float, ...]] = []
     recorded, work = budget.DraftBudget.record_forward, budget.DraftBudget.work
@@ -104,7 +103,7 @@ def record(questions: int, n: int) -> np.ndarray:
                     SpecConfig(drafter="consensus", max_draft_tokens=1, max_draft_nodes=1, adaptive=False),
                     SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=4, adaptive=False)]
         for problem in load_gsm8k(limit=questions):
-            conversation = [{"role": "user", "content": f"{problem.question}\n{INSTRUCTION}"}]
+            conversation = problem.chat()
             for spec in policies:
                 llm.chat([conversation], SamplingParams(n=n, temperature=0.7, max_tokens=256, seed=0), spec,
                          use_tqdm=False)

@@ -26,9 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def conversations(questions: int) -> list[list[dict]]:
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
-    return [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=questions)]
+    return [p.chat() for p in load_gsm8k(limit=questions)]
 
 
 def run_multispec(n: int, questions: int, max_tokens: int, runs: int) -> list[float]:

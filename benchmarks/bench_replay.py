@@ -44,7 +44,6 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.drafters import NoDrafter
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     groups: dict[int, dict] = {}
     owner: dict[int, dict] = {}
@@ -68,8 +67,7 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
     llm_engine.make_drafter = lambda kind, **kw: Recorder() if kind == "none" else made(kind, **kw)
     try:
         llm = LLM()
-        conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}]
-                         for p in load_gsm8k(limit=questions)]
+        conversations = [p.chat() for p in load_gsm8k(limit=questions)]
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
         llm.chat(conversations, params, SpecConfig(drafter="none"), use_tqdm=False)
     finally:

@@ -94,10 +94,8 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
              one_at_a_time: bool = False, nodes: int | None = None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}]
-                     for p in load_gsm8k(limit=questions)]
+    conversations = [p.chat() for p in load_gsm8k(limit=questions)]
     results = {}
     for run, labels in enumerate(schedule):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)

@@ -96,14 +96,13 @@ def cmd_generate(args) -> int:
 
 def cmd_gsm8k(args) -> int:
     from multispec.reasoning import extract_answer, load_gsm8k, majority_vote
-    from multispec.reasoning.gsm8k import INSTRUCTION
 
     if args.questions < 1:
         raise ValueError(f"--questions={args.questions}: must be >= 1")
     problems = load_gsm8k(limit=args.questions, offset=args.offset)
     params, spec = _sampling(args), _spec(args)
     llm = _llm(args)
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in problems]
+    conversations = [p.chat() for p in problems]
     baseline = None
     if args.baseline and spec.drafter != "none":
         llm.chat(conversations, params, SpecConfig(drafter="none"))

@@ -20,6 +20,10 @@ class Problem:
     def answer(self) -> str:
         return reference_answer(self.solution)
 
+    def chat(self) -> list[dict]:
+        """The conversation the main job and the benchmarks send: the question, then ``INSTRUCTION``."""
+        return [{"role": "user", "content": f"{self.question}\n{INSTRUCTION}"}]
+
 
 def load_gsm8k(limit: int | None = None, offset: int = 0) -> list[Problem]:
     """The test problems in file order (offset/limit select a slice)."""

@@ -15,7 +15,6 @@ from multispec.drafters.consensus import ALTERNATIVES
 from multispec.drafters.suffix import MIN_ALTERNATIVE
 from multispec.engine.sampler import target_probs
 from multispec.reasoning import load_gsm8k
-from multispec.reasoning.gsm8k import INSTRUCTION
 from tests.helpers import new_cache, prefill
 
 # Fixed draft lengths (adaptive=False) so every step really speculates; "auto" is the default.
@@ -33,7 +32,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def gsm8k_greedy(llm):
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=2)]
+    conversations = [p.chat() for p in load_gsm8k(limit=2)]
     params = SamplingParams(n=3, temperature=0, max_tokens=40)
     plain = llm.chat(conversations, params, SpecConfig(drafter="none"))
     return conversations, params, plain
@@ -167,7 +166,7 @@ def test_drafter_is_told_the_target_probability_of_each_appended_token(llm, monk
         return drafter
 
     monkeypatch.setattr(llm_engine, "make_drafter", recording)
-    conversations = [[{"role": "user", "content": f"{p.question}\n{INSTRUCTION}"}] for p in load_gsm8k(limit=2)]
+    conversations = [p.chat() for p in load_gsm8k(limit=2)]
     params = [SamplingParams(n=3, temperature=0.7, max_tokens=24, seed=1),
               SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=24, seed=2)]
     spec = SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=4, adaptive=False)
