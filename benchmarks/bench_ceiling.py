@@ -71,7 +71,7 @@ class FillerDrafter(NoDrafter):
         self.starts: list[tuple[float, int | None]] = []
         """When each step asked for drafts, and the draft length it got (None: not timed)."""
 
-    def propose(self, sample_ids, budgets, generator=None):
+    def propose(self, sample_ids, budgets, uniforms=None):
         step = len(self.starts) - self.warm
         length = 0 if step < 0 else self.lengths[step % len(self.lengths)]
         timed = step >= 0 and all(budget >= length for budget in budgets)

@@ -92,7 +92,8 @@ def simulate(kind: str, n: int, length: int, budget: int, depth: int, vocab_size
     times, gained, sample_steps = [], 0, 0
     while live:
         start = time.perf_counter()
-        trees = drafter.propose(live, [budget] * len(live), generator)
+        uniforms = torch.rand(len(live), budget, generator=generator, dtype=torch.float64).tolist() if drafter.sampled else None
+        trees = drafter.propose(live, [budget] * len(live), uniforms)
         for sample, tree in zip(live, trees):
             text, at = texts[sample], done[sample]
             path = accepted(tree, text, at)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from numbers import Integral, Real
 from typing import Sequence
 
 import torch
@@ -11,7 +13,7 @@ import torch
 from multispec.engine.llm_engine import GIB, Engine, EngineConfig
 from multispec.models import DEFAULT_MODEL, load_checkpoint, resolve_model
 from multispec.models.llama import LlamaForCausalLM
-from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig
+from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig, check_bool
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "RunStats"]
 
@@ -33,10 +35,18 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
                  device: str = "auto"):
-        if dtype not in DTYPES:
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
-        if not kv_cache_memory > 0:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be > 0 (GiB)")
+        if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
+                math.isfinite(kv_cache_memory) and kv_cache_memory > 0):
+            raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be a finite number of GiB > 0")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, Integral)):
+            raise ValueError(f"max_model_len={max_model_len!r}: must be an integer or None")
+        _check_spec(spec)
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise ValueError(f"cache_dir={cache_dir!r}: must be a directory path or None")
         self.device = resolve_device(device)
         path = resolve_model(model)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
@@ -67,12 +77,18 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(token_ids)
-        else:
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
             params = list(sampling_params)
             if len(params) != len(token_ids):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(token_ids)} prompts")
+        else:
+            raise ValueError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list of them (one per "
+                             f"prompt) or None")
+        _check_spec(spec)
+        check_bool("use_tqdm", use_tqdm)
         spec = spec or self.spec
         requests = self.engine.make_requests(token_ids, params, texts)
+        self.engine.check_spec(requests, spec)
         progress = _Progress(sum(p.n for p in params), enabled=use_tqdm)
         try:
             outputs, stats = self.engine.generate(requests, spec, on_step=progress.update)
@@ -87,8 +103,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, spec=None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate.
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` dicts."""
+        conversations = _conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(token_ids, sampling_params, spec, use_tqdm)
@@ -99,10 +117,13 @@ class LLM:
     def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts={prompts!r}: must be a string, a list of strings, a list of token ids or a list "
+                             f"of such lists")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one prompt")
-        if all(isinstance(t, int) for t in prompts):
+        if all(_is_token(t) for t in prompts):
             prompts = [prompts]
         texts, ids = [], []
         for i, prompt in enumerate(prompts):
@@ -111,12 +132,41 @@ class LLM:
                     raise ValueError(f"prompt {i} is empty")
                 texts.append(prompt)
                 ids.append(self.tokenizer.encode(prompt))
-            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            elif isinstance(prompt, (list, tuple)) and all(_is_token(t) for t in prompt):
                 texts.append(None)
-                ids.append(list(prompt))
+                ids.append([int(t) for t in prompt])
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
         return texts, ids
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_spec(spec) -> None:
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec={spec!r}: must be a SpecConfig (for example SpecConfig(drafter='consensus')) or None")
+
+
+def _conversations(messages) -> list[list[dict]]:
+    """One conversation or a list of them, each checked to be a non-empty list of role/content dicts."""
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        conversations = [list(messages)]
+    elif isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
+        conversations = [list(c) for c in messages]
+    else:
+        raise ValueError(f"messages={messages!r:.80}: must be a conversation (a list of {{'role': ..., 'content': ...}} "
+                         f"dicts) or a list of conversations")
+    for i, conversation in enumerate(conversations):
+        if not conversation:
+            raise ValueError(f"messages: conversation {i} is empty")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
+                    message.get("content"), str):
+                raise ValueError(f"messages: conversation {i}, message {j} must be a dict with string 'role' and "
+                                 f"'content', got {message!r:.80}")
+    return conversations
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -10,9 +10,18 @@ import json
 import sys
 from pathlib import Path
 
-from multispec.params import BATCHING, DRAFTERS, SCHEMES, SamplingParams, SpecConfig
+from multispec.drafters import DRAFTERS
+from multispec.params import BATCHING, SamplingParams, SpecConfig
+from multispec.verify.schemes import NAMES as SCHEMES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr and exit status 2, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +44,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
 
 
 def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
-    parser.add_argument("--drafter", default=drafter, choices=DRAFTERS, help="(default: %(default)s)")
+    parser.add_argument("--drafter", default=drafter, choices=list(DRAFTERS), help="(default: %(default)s)")
     parser.add_argument("--max-draft-tokens", type=int, default=SpecConfig.max_draft_tokens)
     parser.add_argument("--max-draft-nodes", type=int, default=SpecConfig.max_draft_nodes)
     parser.add_argument("--scheme", default="auto", choices=SCHEMES)
@@ -74,6 +83,7 @@ def cmd_generate(args) -> int:
     else:
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
     params, spec = _sampling(args), _spec(args)
+    spec.check_temperature(params.temperature)
     llm = _llm(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, spec)
@@ -101,6 +111,7 @@ def cmd_gsm8k(args) -> int:
         raise ValueError(f"--questions={args.questions}: must be >= 1")
     problems = load_gsm8k(limit=args.questions, offset=args.offset)
     params, spec = _sampling(args), _spec(args)
+    spec.check_temperature(params.temperature)
     llm = _llm(args)
     conversations = [p.chat() for p in problems]
     baseline = None
@@ -130,7 +141,7 @@ def cmd_gsm8k(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="multispec", description="Fast multi-sample generation.")
+    parser = _Parser(prog="multispec", description="Fast multi-sample generation.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="draw n samples for each prompt")

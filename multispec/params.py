@@ -2,31 +2,67 @@
 
 These plain dataclasses are shared by the API, the engine and the server; they validate
 themselves on construction so a bad value is reported with its field name before any work
-starts.
+starts (a wrong type included: a string where a bool or a number belongs is refused, never
+taken for its truth value).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
-DRAFTERS = ("none", "consensus", "ngram")
-SCHEMES = ("auto", "greedy", "deterministic", "single", "specinfer", "without_replacement", "spectr",
-           "canonical_lp", "canonical_wis")
 BATCHING = ("unpadded", "padded")
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (as in vLLM): a smaller one would overflow the softmax."""
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""Seeds are 64-bit words: anything torch.manual_seed or numpy take, negative ones modulo 2**64."""
 
 
 def _bad(name: str, value, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}")
 
 
+def check_int(name: str, value, low: int | None = None, high: int | None = None, *, none: bool = False):
+    """``value`` as an int in [low, high], or a ValueError naming the field (bools are not ints)."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or (low is not None and value < low) or (
+            high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise _bad(name, value, f"must be an integer {bounds}{' or None' if none else ''}")
+    return int(value)
+
+
+def check_real(name: str, value, why: str, ok) -> float:
+    """``value`` as a finite float for which ``ok`` holds, or a ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not ok(value):
+        raise _bad(name, value, why)
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, value, "must be True or False")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _bad(name, value, f"must be one of {', '.join(choices)}")
+    return value
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, named as in vLLM.
 
-    ``top_k`` 0 (or -1, as vLLM spells it) turns top-k off. ``logprobs`` asks for that many
-    top log-probabilities per generated token (log-softmax of the raw logits, as vLLM
-    reports them); ``seed`` makes a request reproducible on its own, whatever it is batched
-    with.
+    ``temperature`` 0 is greedy, and so is any temperature below ``GREEDY_BELOW`` (as in vLLM).
+    ``top_k`` 0 (or -1, as vLLM spells it) turns top-k off. ``logprobs`` asks for that many top
+    log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
+    ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
+    random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
+    is batched with, and, with drafts that carry no distribution, whatever was drafted.
     """
 
     n: int = 1
@@ -41,31 +77,28 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise _bad("n", self.n, "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise _bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        self.n = check_int("n", self.n, 1)
+        self.temperature = check_real("temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)",
+                                      lambda t: t >= 0)
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        self.top_p = check_real("top_p", self.top_p, "must be a number in (0, 1]", lambda p: 0 < p <= 1)
         if self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise _bad("top_k", self.top_k, "must be an integer >= 0 (0 turns it off)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise _bad("stop", self.stop, "must be non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise _bad("seed", self.seed, "must be an integer or None")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise _bad("logprobs", self.logprobs, "must be an integer >= 0 or None")
+        self.top_k = check_int("top_k", self.top_k, 0)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
+            raise _bad("stop", self.stop, "must be a non-empty string or a list of them")
+        self.stop = list(stop or [])
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise _bad("stop_token_ids", ids, "must be a list of token ids >= 0")
+        self.stop_token_ids = [int(t) for t in ids or []]
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
+        self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
 
 
 @dataclass
@@ -75,8 +108,9 @@ class SpecConfig:
     ``max_draft_tokens`` bounds the depth of a sample's draft, ``max_draft_nodes`` its size
     (a chain when the two are equal and the drafter proposes one branch). ``scheme`` picks the
     verification rule ("auto": greedy at temperature 0, deterministic for unsampled drafts,
-    the canonical decomposition for sampled ones). ``batching="padded"`` is the ablation that
-    pads every sample to the batch's longest draft and acceptance. ``adaptive`` lets each step
+    the canonical decomposition for sampled ones); a scheme that is not exact for the drafter's
+    drafts is refused (see ``multispec.verify.schemes``). ``batching="padded"`` is the ablation
+    that pads every sample to the batch's longest draft and acceptance. ``adaptive`` lets each step
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
     """
@@ -94,24 +128,44 @@ class SpecConfig:
     adaptive: bool = True
 
     def __post_init__(self):
-        if self.drafter not in DRAFTERS:
-            raise _bad("drafter", self.drafter, f"must be one of {', '.join(DRAFTERS)}")
-        if self.scheme not in SCHEMES:
-            raise _bad("scheme", self.scheme, f"must be one of {', '.join(SCHEMES)}")
-        if self.batching not in BATCHING:
-            raise _bad("batching", self.batching, f"must be one of {', '.join(BATCHING)}")
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad field, or a scheme that is not exact for the
+        drafter's drafts. Runs on construction and again before a request uses the config."""
+        from multispec.drafters import DRAFTERS
+        from multispec.verify.schemes import NAMES, check_drafts
+
+        check_choice("drafter", self.drafter, tuple(DRAFTERS))
+        check_choice("scheme", self.scheme, NAMES)
+        check_choice("batching", self.batching, BATCHING)
         for name in ("max_draft_tokens", "max_draft_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise _bad(name, value, "must be an integer >= 0")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise _bad("min_ngram", self.min_ngram, f"must be in [1, max_ngram={self.max_ngram}]")
-        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
-            raise _bad("max_batch_tokens", self.max_batch_tokens, "must be >= 1 or None")
+            check_int(name, getattr(self, name), 0)
+        for name in ("sampled_drafts", "aggregate", "adaptive"):
+            check_bool(name, getattr(self, name))
+        check_int("max_ngram", self.max_ngram, 1)
+        check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
+        check_int("max_batch_tokens", self.max_batch_tokens, 1, none=True)
+        check_drafts(self.scheme, self.draft_law, drafter=self.drafter)
 
     @property
     def speculates(self) -> bool:
         return self.drafter != "none" and self.max_draft_nodes > 0 and self.max_draft_tokens > 0
+
+    @property
+    def draft_law(self):
+        """How the drafter draws its trees under this config (None: nothing is drafted)."""
+        from multispec.drafters import draft_law
+
+        law = draft_law(self.drafter, sampled=self.sampled_drafts, max_depth=max(1, self.max_draft_tokens),
+                        max_nodes=self.max_draft_nodes)
+        return law if self.speculates else None
+
+    def check_temperature(self, temperature: float) -> None:
+        """Raise ValueError unless the scheme is exact for this config's drafts at ``temperature``."""
+        from multispec.verify.schemes import check_drafts
+
+        check_drafts(self.scheme, self.draft_law, temperature, drafter=self.drafter)
 
 
 @dataclass

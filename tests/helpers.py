@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, PrefillAttention, StepLayout
+from multispec.engine.sampler import target_probs
+from multispec.verify.sampling import TOKEN, PositionKeys, sample_key
 
 
 def new_cache(model, samples: int = 4, capacity: int = 64, prompts: int = 2, prompt_capacity: int = 128) -> KVCache:
@@ -49,3 +51,55 @@ def step(model, cache: KVCache, roots: list[int], trees: list[tuple[list[int], l
     logits = model(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                    DecodeAttention(cache, layout))
     return list(logits.cpu().split(counts))
+
+
+def last_logits(llm, ids: list[int]) -> torch.Tensor:
+    """The model's next-token logits after ``ids``, from a plain prefill (no speculation involved)."""
+    with torch.inference_mode():
+        return prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)[-1]
+
+
+def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float) -> dict:
+    """Every token sequence of ``length`` whose exact probability under the sampling law is at least
+    ``threshold``, found by expanding prefixes with plain prefill forwards."""
+    cells = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, mass in cells.items():
+            logits = last_logits(llm, prompt_ids + list(prefix))[None]
+            probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]))[0]
+            top = probs.topk(64)
+            for p, token in zip(top.values.tolist(), top.indices.tolist()):
+                if mass * p >= threshold:
+                    grown[prefix + (token,)] = mass * p
+        cells = grown
+    return cells
+
+
+NEAR_TIE = 1e-4
+"""How close to a boundary of the cumulative distribution a draw may fall and still be decided
+differently by two batch shapes: a batch's shape changes the rounding of the logits (about 1e-6),
+and a float32 cumulative sum over 49k tokens adds its own; a real bug moves far more mass."""
+
+
+def assert_same_sampled_tokens(llm, prompt_ids: list[int], got: list[int], want: list[int], seed: int, index: int,
+                               temperature: float):
+    """Identical ids, except where the random number that decides a position falls within
+    ``NEAR_TIE`` of the boundary between the two tokens in the cumulative distribution (or, at
+    temperature 0, where the top two logits tie within it); past such a position the texts may
+    part. ``seed`` and ``index`` name the sample whose keyed draws decide its tokens."""
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if k is None:
+        assert len(got) == len(want), f"sample {index}: {len(got)} tokens vs {len(want)}"
+        return
+    logits = last_logits(llm, prompt_ids + want[:k])
+    if temperature == 0:
+        top = logits.topk(2).values
+        assert float(top[0] - top[1]) < NEAR_TIE, f"sample {index}, token {k}: {got[k]} vs {want[k]} without a tie"
+        return
+    probs = torch.softmax(logits.double() / temperature, -1)
+    cdf = probs.cumsum(0)
+    u = float(PositionKeys([sample_key(seed, index)], [k]).at(torch.tensor([0]), 0).draw(TOKEN, 0, cdf))
+    edges = [float(cdf[t] - probs[t]) for t in (got[k], want[k])] + [float(cdf[t]) for t in (got[k], want[k])]
+    gap = min(abs(u - edge) for edge in edges)
+    assert gap < NEAR_TIE, f"sample {index}, token {k}: {got[k]} vs {want[k]}, draw {u:.6f} is {gap:.2g} from a boundary"

@@ -1,31 +1,214 @@
-"""Bad input is refused with a ValueError naming the field (API) or one line and exit 2 (CLI)."""
+"""Bad input is refused with a ValueError naming the field and the value (API), or one line on
+stderr and exit status 2 (CLI), before any work starts; never a traceback from inside torch.
+
+Written as one table of inputs per entry point: a new field joins its table.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 
 import pytest
 
-from multispec import SamplingParams, SpecConfig
+from multispec import LLM, SamplingParams, SpecConfig
+from multispec.cli import main
 from multispec.models import resolve_model
+from tests.tiny_models import write_successor_model
+
+SAMPLING_BAD = [
+    ("n", 0), ("n", 1.5), ("n", True), ("n", "3"), ("n", None),
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "0.7"),
+    ("temperature", True), ("temperature", None),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", "1"),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", True),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", None),
+    ("stop", [""]), ("stop", 5), ("stop", [1]), ("stop", ""),
+    ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
+    ("ignore_eos", "no"), ("ignore_eos", 1),
+    ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", True),
+    ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
+]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n", 0), ("n", 1.5), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-    ("max_tokens", 0), ("logprobs", -1), ("seed", "x"), ("stop", [""]),
-])
-def test_sampling_params_name_the_field(field, value):
+@pytest.mark.parametrize("field,value", SAMPLING_BAD)
+def test_sampling_params_name_the_field_and_value(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [("drafter", "oracle"), ("scheme", "magic"), ("batching", "ragged"),
-                                         ("max_draft_tokens", -1), ("min_ngram", 0)])
-def test_spec_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        SpecConfig(**{field: value})
+def test_sampling_params_conventions():
+    """vLLM's: temperatures too small for a softmax are greedy; top_k -1 is off; seeds are 64-bit."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.0
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-5).seed == -5
+    assert SamplingParams(stop="END").stop == ["END"]
+
+
+SPEC_BAD = [
+    ({"drafter": "oracle"}, "drafter='oracle'"), ({"drafter": None}, "drafter=None"),
+    ({"scheme": "magic"}, "scheme='magic'"), ({"batching": "ragged"}, "batching='ragged'"),
+    ({"max_draft_tokens": -1}, "max_draft_tokens=-1"), ({"max_draft_tokens": "3"}, "max_draft_tokens='3'"),
+    ({"max_draft_nodes": 1.5}, "max_draft_nodes=1.5"), ({"max_draft_nodes": True}, "max_draft_nodes=True"),
+    ({"sampled_drafts": "yes"}, "sampled_drafts='yes'"), ({"aggregate": "no"}, "aggregate='no'"),
+    ({"adaptive": "no"}, "adaptive='no'"), ({"adaptive": 0}, "adaptive=0"),
+    ({"max_ngram": 0}, "max_ngram=0"), ({"min_ngram": 0}, "min_ngram=0"), ({"min_ngram": 5}, "min_ngram=5"),
+    ({"max_batch_tokens": 0}, "max_batch_tokens=0"), ({"max_batch_tokens": "8"}, "max_batch_tokens='8'"),
+    # A scheme whose assumptions the drafts do not meet (see tests/engine/test_configurations.py).
+    ({"drafter": "ngram", "scheme": "spectr"}, "scheme='spectr' needs the distribution q"),
+    ({"drafter": "consensus", "scheme": "specinfer"}, "scheme='specinfer' needs the distribution q"),
+    ({"drafter": "ngram", "sampled_drafts": True}, "drafter='ngram' copies text"),
+    ({"drafter": "consensus", "sampled_drafts": True, "scheme": "without_replacement", "max_draft_nodes": 12,
+      "max_draft_tokens": 3}, "without replacement, but drafter 'consensus' draws them i.i.d."),
+    ({"drafter": "consensus", "sampled_drafts": True, "scheme": "single", "max_draft_nodes": 12}, "at most 1 child"),
+]
+
+
+@pytest.mark.parametrize("options,needle", SPEC_BAD)
+def test_spec_config_names_the_field_and_why(options, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SpecConfig(**options)
+
+
+def test_spec_config_checks_the_scheme_against_the_temperature():
+    spec = SpecConfig(scheme="greedy")  # exact at temperature 0 only
+    spec.check_temperature(0.0)
+    with pytest.raises(ValueError, match="scheme='greedy' is exact only at temperature 0"):
+        spec.check_temperature(1.0)
+
+
+LLM_BAD = [
+    ({"model": None}, "model=None"), ({"model": 5}, "model=5"), ({"model": "no-such-model"}, "no-such-model"),
+    ({"model": "/tmp/definitely/missing.gguf"}, "missing.gguf"),
+    ({"dtype": "int8"}, "dtype='int8'"), ({"dtype": None}, "dtype=None"),
+    ({"kv_cache_memory": "4"}, "kv_cache_memory='4'"), ({"kv_cache_memory": 0}, "kv_cache_memory=0"),
+    ({"kv_cache_memory": math.inf}, "kv_cache_memory=inf"), ({"kv_cache_memory": True}, "kv_cache_memory=True"),
+    ({"max_model_len": "100"}, "max_model_len='100'"), ({"max_model_len": 1.5}, "max_model_len=1.5"),
+    ({"spec": "consensus"}, "spec='consensus'"), ({"spec": {"drafter": "consensus"}}, "spec={"),
+    ({"cache_dir": 5}, "cache_dir=5"), ({"device": "tpu"}, "device='tpu'"), ({"device": "cuda:99"}, "device='cuda:99'"),
+]
+
+
+@pytest.mark.parametrize("options,needle", LLM_BAD)
+def test_llm_refuses_bad_arguments_before_loading(options, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        LLM(**options)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny checkpoint (context window 256, vocabulary 400): checks that need the model are cheap."""
+    directory = tmp_path_factory.mktemp("tiny-errors")
+    write_successor_model(directory)
+    return LLM(str(directory), device="cpu")
+
+
+def test_llm_refuses_a_context_window_the_model_lacks(tmp_path_factory, tiny):
+    for bad in (1, 257):
+        with pytest.raises(ValueError, match=re.escape(f"max_model_len={bad}")):
+            LLM(str(tiny.model_name), max_model_len=bad, device="cpu")
+
+
+GENERATE_BAD = [
+    ({"prompts": None}, "prompts=None"), ({"prompts": 5}, "prompts=5"), ({"prompts": []}, "prompts is empty"),
+    ({"prompts": ""}, "prompt 0 is empty"), ({"prompts": [[]]}, "prompt 0 is empty"),
+    ({"prompts": [[1, "a"]]}, "prompt 0 must be"), ({"prompts": [1.5]}, "prompt 0 must be"),
+    ({"prompts": [[True, 2]]}, "prompt 0 must be"), ({"prompts": [[500]]}, "token ids outside [0, 400)"),
+    ({"prompts": [[1] * 300]}, "context window"),
+    ({"sampling_params": {"n": 2}}, "sampling_params={"), ({"sampling_params": "x"}, "sampling_params='x'"),
+    ({"sampling_params": [SamplingParams(), "x"]}, "sampling_params=["),
+    ({"sampling_params": [SamplingParams(), SamplingParams()]}, "sampling_params has 2 entries for 1 prompts"),
+    ({"sampling_params": SamplingParams(logprobs=401)}, "logprobs=401"),
+    ({"sampling_params": SamplingParams(stop_token_ids=[400])}, "stop_token_ids=[400]"),
+    ({"spec": "consensus"}, "spec='consensus'"),
+    ({"spec": SpecConfig(scheme="greedy")}, "scheme='greedy' is exact only at temperature 0"),
+    ({"use_tqdm": "no"}, "use_tqdm='no'"),
+]
+
+
+@pytest.mark.parametrize("options,needle", GENERATE_BAD)
+def test_generate_refuses_bad_input_before_any_work(tiny, options, needle):
+    call = {"prompts": [[5, 6, 7]], "sampling_params": SamplingParams(), **options}
+    before = tiny.last_stats
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        tiny.generate(**call)
+    assert tiny.last_stats is before
+
+
+def test_one_bad_request_refuses_the_whole_call(tiny):
+    before = tiny.last_stats
+    with pytest.raises(ValueError, match="logprobs=401"):
+        tiny.generate([[5, 6], [7, 8], [9, 10]], [SamplingParams(), SamplingParams(), SamplingParams(logprobs=401)])
+    assert tiny.last_stats is before
+
+
+def test_max_tokens_past_the_context_window_is_clipped_as_vllm_does(tiny):
+    """vLLM's offline LLM stops such samples at the context window with finish_reason "length"."""
+    prompt = [5] * 250
+    out = tiny.generate([prompt], SamplingParams(n=2, max_tokens=100, ignore_eos=True, seed=0), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6]
+    assert {c.finish_reason for c in out.outputs} == {"length"}
+
+
+CHAT_BAD = [
+    ("Hello", "messages='Hello'"), (None, "messages=None"), ([], "messages=[]"), ([{}], "message 0 must be"),
+    ([{"role": "user"}], "message 0 must be"), ([{"role": "user", "content": 5}], "message 0 must be"),
+    ([[{"role": "user", "content": "hi"}], "x"], "messages=["), ([[]], "conversation 0 is empty"),
+]
+
+
+@pytest.mark.parametrize("messages,needle", CHAT_BAD)
+def test_chat_refuses_bad_messages(tiny, messages, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        tiny.chat(messages, SamplingParams())
+
+
+CLI_BAD = [
+    (["generate", "--prompt", "hi", "--n", "0"], "n=0"),
+    (["generate", "--prompt", "hi", "--n", "abc"], "argument --n: invalid int value: 'abc'"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature=-1"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "temperature=inf"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "top_p=2"),
+    (["generate", "--prompt", "hi", "--top-k", "-3"], "top_k=-3"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens=0"),
+    (["generate", "--prompt", "hi", "--seed", str(2**64)], f"seed={2**64}"),
+    (["generate", "--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
+    (["generate", "--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["generate", "--prompt", "hi", "--drafter", "oracle"], "argument --drafter: invalid choice: 'oracle'"),
+    (["generate", "--prompt", "hi", "--kv-cache-memory", "0"], "kv_cache_memory=0"),
+    (["generate", "--prompt", "hi", "--device", "tpu"], "device='tpu'"),
+    (["generate", "--prompt", "hi", "--drafter", "ngram", "--scheme", "spectr"], "scheme='spectr'"),
+    (["generate", "--prompt", "hi", "--drafter", "ngram", "--sampled-drafts"], "drafter='ngram'"),
+    (["generate", "--prompt", "hi", "--scheme", "greedy"], "scheme='greedy' is exact only at temperature 0"),
+    (["generate"], "--prompt"),
+    (["generate", "--prompts-file", "/tmp/definitely/nope.txt"], "nope.txt"),
+    (["gsm8k", "--offset", "100000"], "offset=100000"),
+    (["gsm8k", "--questions", "0"], "--questions=0"),
+    (["analyze-verify", "--random-vocab", "0"], "--random-vocab=0"),
+    (["analyze-verify", "--max-drafts", "0"], "--max-drafts=0"),
+    (["no-such-command"], "invalid choice: 'no-such-command'"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", CLI_BAD, ids=[" ".join(a)[:60] for a, _ in CLI_BAD])
+def test_cli_reports_one_line_and_exits_2(capsys, argv, needle):
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_cli_error_in_a_fresh_process_has_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "multispec.cli", "generate", "--prompt", "hi", "--drafter", "ngram",
+                             "--scheme", "spectr"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_unknown_model_and_missing_file():
@@ -33,37 +216,3 @@ def test_unknown_model_and_missing_file():
         resolve_model("no-such-model")
     with pytest.raises(ValueError, match="missing.gguf"):
         resolve_model("/tmp/definitely/missing.gguf")
-
-
-def test_prompt_errors(llm):
-    with pytest.raises(ValueError, match="empty"):
-        llm.generate("", SamplingParams())
-    with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], SamplingParams())
-    with pytest.raises(ValueError, match="context window"):
-        llm.generate([[1] * (llm.config.max_position_embeddings + 5)], SamplingParams())
-    with pytest.raises(ValueError, match="token ids outside"):
-        llm.generate([[llm.config.vocab_size + 3]], SamplingParams())
-    with pytest.raises(ValueError, match="sampling_params has 2 entries"):
-        llm.generate(["a"], [SamplingParams(), SamplingParams()])
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "multispec.cli", *args], capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.parametrize("args,needle", [
-    (["--n", "0"], "n=0"), (["--temperature", "-1"], "temperature=-1"), (["--top-p", "2"], "top_p=2"),
-    (["--top-k", "-3"], "top_k=-3"), (["--max-tokens", "0"], "max_tokens=0"),
-    (["--model", "no-such-model"], "no-such-model"),
-])
-def test_cli_reports_one_line_and_exits_2(args, needle):
-    result = run_cli("generate", "--prompt", "hi", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
-
-
-def test_cli_missing_prompt():
-    result = run_cli("generate")
-    assert result.returncode == 2 and "--prompt" in result.stderr

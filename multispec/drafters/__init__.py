@@ -1,30 +1,40 @@
-"""Drafters: components without a model that propose draft trees for the engine each step."""
+"""Drafters: components without a model that propose draft trees for the engine each step.
+
+``DRAFTERS`` is the registry: a new drafter is one file with its class (see ``Drafter``) and one
+line here.
+"""
 
 from __future__ import annotations
 
 from multispec.drafters.base import Drafter, DraftTree, NoDrafter
 from multispec.drafters.consensus import ConsensusDrafter
 from multispec.drafters.ngram import NgramDrafter
+from multispec.verify.schemes import DraftLaw
 
-__all__ = ["ConsensusDrafter", "DraftTree", "Drafter", "NgramDrafter", "NoDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "NgramDrafter", "NoDrafter", "draft_law",
+           "make_drafter"]
+
+DRAFTERS: dict[str, type] = {
+    "none": NoDrafter,  # plain decoding through the same step
+    "consensus": ConsensusDrafter,  # the sibling samples draft for each other
+    "ngram": NgramDrafter,  # prompt lookup over the sample's own text
+}
 
 
-def make_drafter(kind: str, *, vocab_size: int, max_depth: int, max_nodes: int, sampled: bool = False,
-                 aggregate: bool = True, max_ngram: int = 4, min_ngram: int = 1,
-                 num_drafts: int | None = None, alternatives: int | None = None) -> Drafter:
-    """``"none"`` (plain decoding), ``"consensus"`` (siblings draft for each other) or ``"ngram"``
-    (prompt lookup over the sample's own text; it ignores ``sampled``, ``aggregate`` and
-    ``num_drafts``: its drafts are deterministic chains). ``alternatives``: the target's most likely
-    tokens the consensus drafter keeps per position for soft votes (default ``ALTERNATIVES``; 0:
-    votes only for the tokens the sources took)."""
-    if kind == "none":
-        return NoDrafter()
-    if kind == "consensus":
-        extra = {} if alternatives is None else {"alternatives": alternatives}
-        return ConsensusDrafter(vocab_size=vocab_size, max_depth=max_depth, max_nodes=max_nodes, sampled=sampled,
-                                aggregate=aggregate, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=num_drafts,
-                                **extra)
-    if kind == "ngram":
-        return NgramDrafter(vocab_size=vocab_size, max_depth=max_depth, max_nodes=max_nodes, max_ngram=max_ngram,
-                            min_ngram=min_ngram)
-    raise ValueError(f"unknown drafter {kind!r}; expected 'none', 'consensus' or 'ngram'")
+def _registered(kind: str) -> type:
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter={kind!r}: must be one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[kind]
+
+
+def make_drafter(kind: str, **options) -> Drafter:
+    """A drafter by registered name. Options: ``vocab_size``, ``max_depth``, ``max_nodes``, and as the
+    drafter uses them ``sampled``, ``aggregate``, ``max_ngram``, ``min_ngram``, ``num_drafts``,
+    ``alternatives`` (see each class)."""
+    return _registered(kind).create(**options)
+
+
+def draft_law(kind: str, *, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw | None:
+    """How drafter ``kind`` draws its trees with these settings (None: it never drafts); raises
+    ValueError for settings the drafter cannot honour."""
+    return _registered(kind).draft_law(sampled=sampled, max_depth=max_depth, max_nodes=max_nodes)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Sequence
 
 import torch
+
+from multispec.verify.schemes import DraftLaw
 
 
 @dataclass
@@ -62,14 +64,21 @@ DraftTree.EMPTY = DraftTree([], [], None)
 class Drafter(Protocol):
     """Proposes draft trees for samples and learns from what they actually produced.
 
+    A drafter is registered by name in ``multispec.drafters.DRAFTERS``; the class builds itself
+    with ``create(**options)`` (the options of ``make_drafter``, taking those it uses) and declares
+    with ``draft_law(sampled=, max_depth=, max_nodes=)`` how its trees are drawn (None: it never
+    drafts), which decides the verification schemes that are exact for them.
+
     ``alternatives``: how many of the target's most likely tokens (with their probabilities) the
     drafter wants with every observed token; the engine computes them only when it is > 0, and
     ``min_alternative``: the least probability the drafter keeps, so the engine may pass None for a
-    position where the sampled token leaves less than that to every other one.
+    position where the sampled token leaves less than that to every other one. ``sampled``: its
+    drafts are drawn at random, from the uniforms the engine passes to ``propose``.
     """
 
     alternatives: int
     min_alternative: float
+    sampled: bool
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         """A prompt and its sibling samples (ids unique across live groups); samples start empty."""
@@ -84,8 +93,10 @@ class Drafter(Protocol):
         """The sample finished: it stops proposing but its text stays a source for its siblings."""
 
     def propose(self, sample_ids: list[int], budgets: list[int],
-                generator: torch.Generator | None = None) -> list[DraftTree]:
-        """One tree per sample, with at most budgets[i] nodes (0 gives DraftTree.EMPTY)."""
+                uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
+        """One tree per sample, with at most budgets[i] nodes (0 gives DraftTree.EMPTY). A sampled
+        drafter draws sample i's tree from ``uniforms[i]`` (at least budgets[i] U[0, 1) numbers,
+        keyed by the engine to the sample's position, so drafts are reproducible)."""
 
 
 class NoDrafter:
@@ -93,6 +104,15 @@ class NoDrafter:
 
     alternatives = 0
     min_alternative = 0.0
+    sampled = False
+
+    @classmethod
+    def create(cls, **options) -> NoDrafter:
+        return cls()
+
+    @staticmethod
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw | None:
+        return None
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
         pass
@@ -105,5 +125,5 @@ class NoDrafter:
         pass
 
     def propose(self, sample_ids: list[int], budgets: list[int],
-                generator: torch.Generator | None = None) -> list[DraftTree]:
+                uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
         return [DraftTree.EMPTY] * len(sample_ids)

@@ -9,6 +9,7 @@ weighted trie (see ``trie``) and the draft is cut from it.
 from __future__ import annotations
 
 from multispec.drafters.suffix import SuffixDrafter
+from multispec.verify.schemes import COPIED, IID, DraftLaw
 
 ALTERNATIVES = 4
 """The target's most likely tokens kept per position for soft votes. Replayed on the default
@@ -41,3 +42,20 @@ class ConsensusDrafter(SuffixDrafter):
         super().__init__(vocab_size=vocab_size, max_depth=max_depth, max_nodes=max_nodes, sampled=sampled,
                          aggregate=aggregate, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=num_drafts,
                          max_matches=max_matches, max_votes=max_votes, alternatives=alternatives if aggregate else 0)
+
+    @classmethod
+    def create(cls, *, vocab_size: int, max_depth: int, max_nodes: int, sampled: bool = False, aggregate: bool = True,
+               max_ngram: int = 4, min_ngram: int = 1, num_drafts: int | None = None, alternatives: int | None = None,
+               **_) -> ConsensusDrafter:
+        extra = {} if alternatives is None else {"alternatives": alternatives}
+        return cls(vocab_size=vocab_size, max_depth=max_depth, max_nodes=max_nodes, sampled=sampled,
+                   aggregate=aggregate, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=num_drafts, **extra)
+
+    @staticmethod
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, num_drafts: int | None = None) -> DraftLaw:
+        """Copied trees of up to ``max_nodes`` children a node; sampled: root children i.i.d. with
+        replacement from one distribution (``num_drafts`` of them, default ``max_nodes //
+        max_depth``), each extended as a chain."""
+        if not sampled:
+            return DraftLaw(COPIED, max(1, max_nodes))
+        return DraftLaw(IID, max(1, num_drafts or max_nodes // max(1, max_depth)))

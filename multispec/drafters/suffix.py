@@ -10,9 +10,7 @@ A finished sample's text stays in the index; a group's state is freed with its l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
-
-import torch
+from typing import Iterator, Sequence
 
 from multispec.drafters.base import DraftTree
 from multispec.drafters.index import Alternatives, NgramIndex, Text
@@ -106,12 +104,13 @@ class SuffixDrafter:
         del self._samples[sample_id]
 
     def propose(self, sample_ids: list[int], budgets: list[int],
-                generator: torch.Generator | None = None) -> list[DraftTree]:
+                uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
         budgets = [max(0, min(b, self.max_nodes)) for b in budgets]
-        uniforms = None
-        if self.sampled:  # one draw from the generator per step, enough for every node of every tree
-            uniforms = iter(torch.rand(sum(budgets), generator=generator, dtype=torch.float64).tolist())
-        return [self._propose_one(self._samples[s], b, uniforms) for s, b in zip(sample_ids, budgets)]
+        if not self.sampled:
+            return [self._propose_one(self._samples[s], b, None) for s, b in zip(sample_ids, budgets)]
+        if uniforms is None or len(uniforms) != len(sample_ids):
+            raise ValueError("sampled drafts need one sequence of uniforms per sample")
+        return [self._propose_one(self._samples[s], b, iter(u)) for s, b, u in zip(sample_ids, budgets, uniforms)]
 
     def _propose_one(self, sample: _Sample, budget: int, uniforms: Iterator[float] | None) -> DraftTree:
         if budget == 0:

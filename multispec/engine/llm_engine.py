@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from multispec.drafters import DraftTree, make_drafter
@@ -24,7 +25,9 @@ from multispec.engine.sequence import Request, Sample
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.tokenizer import Tokenizer
 from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig
-from multispec.verify import verify_tree
+from multispec.verify import PositionKeys, verify_tree
+from multispec.verify.sampling import sample_key, sample_rows
+from multispec.verify.schemes import resolve
 
 GIB = 1 << 30
 
@@ -69,6 +72,9 @@ class Engine:
     # ------------------------------------------------------------------ requests and memory
     def make_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams],
                       prompts: list[str | None]) -> list[Request]:
+        """Requests checked against the model (vocabulary, context window): one bad request
+        refuses the whole call before any work. ``max_tokens`` past the context window is clipped
+        to it, as vLLM's offline ``LLM`` does: such samples end with finish_reason "length"."""
         requests = []
         for i, (ids, sp, text) in enumerate(zip(prompt_ids, params, prompts)):
             if len(ids) == 0:
@@ -79,13 +85,17 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-            seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            if sp.logprobs is not None and sp.logprobs > self.vocab_size:
+                raise ValueError(f"logprobs={sp.logprobs!r}: must be at most the vocabulary size {self.vocab_size}")
+            outside = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"stop_token_ids={sp.stop_token_ids!r}: ids must lie in [0, {self.vocab_size})")
+            seed = sp.seed if sp.seed is not None else secrets.randbits(64)
             stop_ids = set(sp.stop_token_ids)
             if not sp.ignore_eos:
                 stop_ids |= set(self.tokenizer.eos_token_ids)
             max_tokens = min(sp.max_tokens, self.config.max_model_len - len(ids))
-            requests.append(Request(str(i), text, list(ids), sp, max_tokens, generator, frozenset(stop_ids)))
+            requests.append(Request(str(i), text, list(ids), sp, max_tokens, seed, frozenset(stop_ids)))
         return requests
 
     def plan_cache(self, requests: list[Request], spec: SpecConfig) -> CacheShape:
@@ -134,8 +144,17 @@ class Engine:
                               PrefillAttention(cache, [(0, len(token_ids))]))
 
     # ------------------------------------------------------------------ the loop
+    @staticmethod
+    def check_spec(requests: list[Request], spec: SpecConfig) -> None:
+        """Refuse, before any work, a speculation config whose verification scheme is not exact for
+        its drafts at some request's temperature (see ``multispec.verify.schemes``)."""
+        spec.check()
+        for request in requests:
+            spec.check_temperature(request.params.temperature)
+
     def generate(self, requests: list[Request], spec: SpecConfig,
                  on_step: Callable[[int, int], None] | None = None) -> tuple[list[RequestOutput], RunStats]:
+        self.check_spec(requests, spec)
         stats = RunStats()
         start = time.perf_counter()
         shape = self.plan_cache(requests, spec)
@@ -144,7 +163,6 @@ class Engine:
         drafter = make_drafter(spec.drafter, vocab_size=self.vocab_size, max_depth=spec.max_draft_tokens,
                                max_nodes=spec.max_draft_nodes, sampled=spec.sampled_drafts,
                                aggregate=spec.aggregate, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
-        draft_generator = torch.Generator().manual_seed(requests[0].params.seed or 0)
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
         budget = DraftBudget(depth, self.forward_costs, max_evidence=spec.max_ngram,
                              calibration=self._calibration(spec, depth, requests))
@@ -157,7 +175,8 @@ class Engine:
                 if admitted:
                     for request in admitted:
                         request.prompt_slot = cache.take_prompt_slot()
-                        request.samples = [Sample(request, i, next_sample_id + i) for i in range(request.params.n)]
+                        request.samples = [Sample(request, i, next_sample_id + i, sample_key(request.seed, i))
+                                           for i in range(request.params.n)]
                         next_sample_id += request.params.n
                         drafter.add_group(request.prompt_slot, request.prompt_ids,
                                           [s.sample_id for s in request.samples])
@@ -171,7 +190,7 @@ class Engine:
                     if on_step:
                         on_step(len(new), done)
                     continue
-                step_tokens = self._decode_step(slots, cache, spec, drafter, draft_generator, budget, stats)
+                step_tokens = self._decode_step(slots, cache, spec, drafter, budget, stats)
                 done = self._retire(slots, cache, drafter)
                 if on_step:
                     on_step(step_tokens, done)
@@ -206,7 +225,8 @@ class Engine:
         logprobs = torch.log_softmax(logits, -1)
         samples, seen = [], []
         for row, request in enumerate(requests):
-            first = torch.multinomial(probs[row], request.params.n, replacement=True, generator=request.generator)
+            keys = PositionKeys([s.key for s in request.samples], [0] * request.params.n)
+            first = sample_rows(probs[row:row + 1], keys.at(torch.arange(request.params.n), 0))
             tokens = first.tolist()
             token_probs = probs[row, first].tolist()
             tops = _top(probs, [row] * len(tokens), token_probs, *alternatives)
@@ -266,7 +286,7 @@ class Engine:
         return _Step(slots, trees, torch.tensor(tokens, device=self.device),
                      torch.tensor(positions, device=self.device), layout, offsets)
 
-    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, generator, budget: DraftBudget,
+    def _draft(self, slots: list[Sample], spec: SpecConfig, drafter, budget: DraftBudget,
                context: int) -> list[DraftTree]:
         if not spec.speculates:
             return [DraftTree.EMPTY] * len(slots)
@@ -286,14 +306,17 @@ class Engine:
             if sum(budgets) > spare:
                 share = spare // len(slots)
                 budgets = [min(b, share) for b in budgets]
-        trees = drafter.propose([s.sample_id for s in slots], budgets, generator)
+        uniforms = None
+        if drafter.sampled:  # keyed to each sample's position, like its verification (see PositionKeys)
+            uniforms = _position_keys(slots).draft_uniforms(max(budgets)).tolist()
+        trees = drafter.propose([s.sample_id for s in slots], budgets, uniforms)
         return budget.select(trees, context) if scored else trees
 
-    def _decode_step(self, slots: list[Sample], cache: KVCache, spec: SpecConfig, drafter, generator,
+    def _decode_step(self, slots: list[Sample], cache: KVCache, spec: SpecConfig, drafter,
                      budget: DraftBudget, stats: RunStats) -> int:
         t0 = time.perf_counter()
         context = _context(slots)
-        trees = self._draft(slots, spec, drafter, generator, budget, context)
+        trees = self._draft(slots, spec, drafter, budget, context)
         t1 = time.perf_counter()
         padded = cache.valid is not None
         step = self._pack(slots, trees, padded)
@@ -327,61 +350,52 @@ class Engine:
 
     def _verify(self, step: _Step, logits: torch.Tensor, spec: SpecConfig,
                 alternatives: tuple[int, float] = (0, 0.0)):
-        """Per request (each has its own generator and scheme): per sample, the accepted path, the
-        bonus token, the target's probabilities of the tokens it appends (path, then bonus) and the
-        target's most likely tokens at each of those positions (see ``_top``)."""
-        by_request: dict[str, list[int]] = {}
-        for b, sample in enumerate(step.samples):
-            by_request.setdefault(sample.request.request_id, []).append(b)
-        counts = [1 + len(t.tokens) for t in step.trees]
-        results: list[tuple] = [None] * len(step.samples)  # type: ignore[list-item]
-        for members in by_request.values():
-            request = step.samples[members[0]].request
-            rows = torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])],
-                                device=self.device)
-            whole = len(members) == len(step.samples) and rows.numel() == logits.shape[0]
-            row_logits = logits if whole else logits[rows]
-            sp = request.params
-            probs = target_probs(row_logits, *self._params_rows([request] * row_logits.shape[0]))
-            trees = [step.trees[b] for b in members]
-            node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long, device=self.device)
-            node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long,
-                                        device=self.device)
-            node_offsets = torch.tensor([0] + list(_cumsum([len(tree.tokens) for tree in trees])), dtype=torch.long,
-                                        device=self.device)
-            has_q = [tree.q is not None for tree in trees if tree.tokens]
-            q = torch.cat([tree.q for tree in trees if tree.tokens]).to(self.device) if has_q and all(has_q) else None
-            scheme = self._scheme(spec, sp, q is not None)
-            # The engine builds these tensors itself, so the input checks are skipped here.
-            out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
-                              generator=request.generator, validate=False)
-            bonus = out.bonus_token.tolist()
-            # The target's probability of every token each sample appends (accepted nodes, then the
-            # bonus at the last of them), for the drafter: one gather per request.
-            paths = [list(out.accepted_nodes[k]) for k in range(len(members))]
-            local_rows, local_tokens, row_base = [], [], 0
-            for k, b in enumerate(members):
-                tokens, rows = _appended(step.trees[b], paths[k], bonus[k])
-                local_rows += [row_base + r for r in rows]
-                local_tokens += tokens
-                row_base += counts[b]
-            appended = probs[torch.tensor(local_rows, device=self.device),
-                             torch.tensor(local_tokens, device=self.device)].tolist()
-            top = _top(probs, local_rows, appended, *alternatives)
-            start = 0
-            for k, b in enumerate(members):
-                end = start + 1 + len(paths[k])
-                results[b] = (paths[k], bonus[k], appended[start:end], None if top is None else top[start:end])
-                start = end
-        return results
+        """One call for every sample of the step: per sample, the accepted path, the bonus token,
+        the target's probabilities of the tokens it appends (path, then bonus) and the target's
+        most likely tokens at each of those positions (see ``_top``).
 
-    @staticmethod
-    def _scheme(spec: SpecConfig, sp: SamplingParams, sampled: bool) -> str:
-        if sp.temperature == 0:
-            return "greedy"
-        if spec.scheme != "auto":
-            return spec.scheme
-        return "canonical_wis" if sampled else "deterministic"
+        Each sample's random numbers are keyed by its own seed, index and output positions, so
+        sharing the call with other requests changes nothing for any of them. Rows of greedy
+        requests are one-hot, which every scheme follows exactly."""
+        samples, trees = step.samples, step.trees
+        counts = [1 + len(t.tokens) for t in trees]
+        offsets = [0, *_cumsum(counts)]
+        if logits.shape[0] != offsets[-1]:  # padded ablation: its filler rows verify nothing
+            logits = logits[torch.tensor([step.row_offsets[b] + i for b, c in enumerate(counts) for i in range(c)],
+                                         device=self.device)]
+        rows = torch.tensor(counts, device=self.device)
+        probs = target_probs(logits, *(x.repeat_interleave(rows) for x in self._params_rows(
+            [s.request for s in samples])))
+        node_tokens = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.long, device=self.device)
+        node_parents = torch.tensor([p for tree in trees for p in tree.parents], dtype=torch.long, device=self.device)
+        node_offsets = torch.tensor([0] + list(_cumsum([len(tree.tokens) for tree in trees])), dtype=torch.long,
+                                    device=self.device)
+        drafted = [tree.q for tree in trees if tree.tokens]
+        q = torch.cat(drafted).to(self.device) if drafted and drafted[0] is not None else None
+        greedy = all(s.request.params.temperature == 0 for s in samples)
+        scheme = resolve(spec.scheme, spec.draft_law, 0.0 if greedy else 1.0).name
+        keys = _position_keys(samples)
+        # The engine builds these tensors itself, so the input checks are skipped here.
+        out = verify_tree(probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme, rng=keys,
+                          validate=False)
+        bonus = out.bonus_token.tolist()
+        paths = out.accepted_nodes
+        # The target's probability of every token each sample appends (accepted nodes, then the
+        # bonus at the last of them), for the drafter: one gather for the step.
+        flat_rows, flat_tokens = [], []
+        for b, tree in enumerate(trees):
+            tokens, local = _appended(tree, paths[b], bonus[b])
+            flat_rows += [offsets[b] + r for r in local]
+            flat_tokens += tokens
+        appended = probs[torch.tensor(flat_rows, device=self.device),
+                         torch.tensor(flat_tokens, device=self.device)].tolist()
+        top = _top(probs, flat_rows, appended, *alternatives)
+        results, start = [], 0
+        for b in range(len(samples)):
+            end = start + 1 + len(paths[b])
+            results.append((paths[b], bonus[b], appended[start:end], None if top is None else top[start:end]))
+            start = end
+        return results
 
     def _commit(self, step: _Step, logits: torch.Tensor, results, cache: KVCache, drafter, stats: RunStats,
                 padded: bool) -> int:
@@ -494,6 +508,12 @@ class Engine:
             outputs.append(CompletionOutput(sample.index, text, list(sample.output_ids), sample.cumulative_logprob,
                                             sample.finish_reason or "length", sample.logprobs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_ids, outputs)
+
+
+def _position_keys(samples: list[Sample]) -> PositionKeys:
+    """Each sample's key and the output position its next token takes."""
+    return PositionKeys(np.array([s.key for s in samples], dtype=np.uint64),
+                        np.array([len(s.output_ids) for s in samples], dtype=np.int64))
 
 
 def _acceptance_by_depth(trees: list[DraftTree], results, max_depth: int) -> tuple[list[int], list[int]]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from multispec.params import SamplingParams
 
 
@@ -17,12 +15,15 @@ class Sample:
     (it is the first input of the next step). ``cached`` counts the generated tokens whose keys
     are in the sample's cache slot, so while the sample runs ``cached == len(output_ids) - 1``.
     ``written`` is how many cache entries the slot uses: equal to ``cached`` except in the
-    padded-batching ablation, where masked filler entries sit between real ones.
+    padded-batching ablation, where masked filler entries sit between real ones. ``key`` keys the
+    random numbers of its tokens (from the request's seed and the sample's index; see
+    ``multispec.verify.sampling``).
     """
 
     request: "Request"
     index: int
     sample_id: int
+    key: int
     output_ids: list[int] = field(default_factory=list)
     cached: int = 0
     written: int = 0
@@ -47,7 +48,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    generator: torch.Generator
+    seed: int
     stop_ids: frozenset[int]
     samples: list[Sample] = field(default_factory=list)
     prompt_slot: int = -1

@@ -26,9 +26,14 @@ class Problem:
 
 
 def load_gsm8k(limit: int | None = None, offset: int = 0) -> list[Problem]:
-    """The test problems in file order (offset/limit select a slice)."""
+    """The test problems in file order (offset/limit select a slice; a slice that would be empty
+    is a ValueError naming the option)."""
     text = resources.files("multispec.reasoning").joinpath("data/gsm8k_test.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not 0 <= offset < len(rows):
+        raise ValueError(f"offset={offset}: the GSM8K test set has {len(rows)} questions, numbered 0 to {len(rows) - 1}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit}: must be >= 1 (or None for all)")
     rows = rows[offset: None if limit is None else offset + limit]
     return [Problem(r["question"], r["answer"]) for r in rows]
 

@@ -1,7 +1,8 @@
 """Lossless verification of draft tokens: token-level multi-draft schemes and tree traversal.
 
 Pure tensor functions, no engine state. The engine calls :func:`verify_tree` once per step; the
-token-level schemes and their exact acceptance probabilities serve tests and analysis.
+registry in ``schemes`` says which drafts each scheme is exact for; the token-level schemes and
+their exact acceptance probabilities serve tests and analysis.
 """
 
 from multispec.verify.batch import Selection
@@ -16,10 +17,15 @@ from multispec.verify.recursive import (
 )
 from multispec.verify.speculative import acceptance_single, single_draft
 from multispec.verify.spectr import acceptance_spectr, spectr_rho, spectr_select
-from multispec.verify.tree import SCHEMES, TreeVerifyResult, verify_tree
+from multispec.verify.sampling import PositionKeys, Uniforms
+from multispec.verify.schemes import SCHEMES, DraftLaw, Scheme, check_drafts
+from multispec.verify.tree import TreeVerifyResult, verify_tree
 
 __all__ = [
     "SCHEMES",
+    "DraftLaw",
+    "PositionKeys",
+    "Scheme",
     "Selection",
     "TreeVerifyResult",
     "acceptance_canonical",
@@ -28,6 +34,7 @@ __all__ = [
     "acceptance_spectr",
     "acceptance_without_replacement",
     "canonical_select",
+    "check_drafts",
     "deterministic_select",
     "estimate_acceptance_without_replacement",
     "greedy_select",
@@ -38,5 +45,6 @@ __all__ = [
     "spectr_rho",
     "spectr_select",
     "tournament",
+    "Uniforms",
     "verify_tree",
 ]

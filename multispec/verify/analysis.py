@@ -34,8 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first option out of range."""
+    least = {"max_drafts": 1, "random_cases": 1, "random_vocab": 2, "questions": 0, "positions": 1, "top_s": 1,
+             "ranked": 1, "paths": 1}
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= {low}")
+    bad = [t for t in args.draft_temperatures if not t > 0]
+    if bad:
+        raise ValueError(f"--draft-temperatures {bad[0]}: must be > 0")
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the tables (markdown) and return 0."""
+    check_arguments(args)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     p, q = random_pairs(args.random_cases, args.random_vocab, args.seed)

@@ -1,4 +1,4 @@
-"""The canonical decomposition of multi-draft selection (Khisti et al.), REFERENCES.md section 2.
+"""The canonical decomposition of multi-draft selection (Khisti et al., arXiv 2410.18234).
 
 K i.i.d. drafts from q. Step 1 picks one of them with a selection rule; the picked token Y then
 has a known law q_I. Step 2 is single-draft speculative sampling of Y against q_I: accept with
@@ -6,7 +6,7 @@ min(1, p(Y)/q_I(Y)), else draw norm((p - q_I)_+). The output is exactly p for ev
 is computed exactly, and the acceptance is sum_y min(p(y), q_I(y)); the rule only decides how
 close q_I gets to p.
 
-The rule is a tournament (section 2, "K > 2 by a tournament"): the winner so far (law a, starting
+The rule is a tournament (the paper's "K > 2 by a tournament"): the winner so far (law a, starting
 with a = q) meets the next draft (law b = q), one survives, and the survivor's law is the next a.
 A round plays one of two rules, whichever gives the larger acceptance for this (p, a, b):
 - ranking: tokens ranked best first, the higher-ranked token of a pair survives ("lower rank
@@ -31,6 +31,7 @@ from scipy.sparse import coo_matrix
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, first_true, rows_of, take
+from multispec.verify.sampling import Uniforms
 from multispec.verify.speculative import accept_or_resample
 from multispec.verify.validation import check_token_inputs
 
@@ -115,7 +116,7 @@ def _transfer_round(p, a, b):
     winner x with probability alpha(x) beta(y), alpha = s / a and beta = min(1, d / (b S)). Then
     q_I = a - s * sum_y min(b S, d) / S + min(b S, d): surplus tokens stay at or above p, deficit
     tokens stay at or below it, and the acceptance grows by sum_y min(b(y) S, d(y)) >= 0, the
-    step of recursive rejection sampling (section 2) against norm(d). Ranking rounds move mass
+    step of recursive rejection sampling (SpecInfer) against norm(d). Ranking rounds move mass
     toward the top tokens whether or not it is needed there, which costs acceptance once a is
     already close to p; each round plays whichever of the two rules accepts more.
     """
@@ -130,7 +131,7 @@ def _ranking(p, a, b, m, s):
     """The m ranked tokens [R, m], best first: the top s by p - a*b (the block), then by p / (a + b).
 
     The block follows the paper's key. Below it a token with a large ratio of target mass to draft
-    mass should survive first (the optimal subset of REFERENCES.md section 2 sorts tokens by q/p);
+    mass should survive first (the optimal subset of arXiv 2410.18234 sorts tokens by q/p);
     on random cases this order beats p - a*b by about 1% acceptance at s = 5.
     """
     key = p - a * b
@@ -207,7 +208,7 @@ def canonical_select(
     p: torch.Tensor,
     candidates: torch.Tensor,
     q: torch.Tensor,
-    generator: torch.Generator | None = None,
+    rng: Uniforms | torch.Generator | None = None,
     *,
     rule: str = "lp",
     top_s: int = DEFAULT_TOP_S,
@@ -218,13 +219,14 @@ def canonical_select(
     if validate:
         check_token_inputs(p, candidates, q, (2,))
     n, k_max = candidates.shape
+    rng = Uniforms.of(rng, n)
     count = (candidates >= 0).sum(1)
     rounds, laws = tournament(p, q, k_max, rule, top_s, ranked)
     winner = candidates[:, 0].clone()
     index = torch.zeros(n, dtype=torch.long, device=p.device)
     for k, rnd in enumerate(rounds, start=1):
         challenger = candidates[:, k]
-        keep = _winner_survives(rnd, p, winner, challenger.clamp_min(0), generator)
+        keep = _winner_survives(rnd, p, winner, challenger.clamp_min(0), rng.draw(sampling.ROUND, k, p))
         switch = (challenger >= 0) & ~keep
         winner = torch.where(switch, challenger, winner)
         index = torch.where(switch, k, index)
@@ -235,19 +237,20 @@ def canonical_select(
         law_rows = law[k_max - 1]
     else:
         law_rows = law[count - 1, 0]
-    output, accepted = accept_or_resample(p, law_rows, winner, generator)
+    output, accepted = accept_or_resample(p, law_rows, winner, rng)
     return Selection(output, torch.where(accepted, index, -1))
 
 
-def _winner_survives(rnd: Round, p: torch.Tensor, winner: torch.Tensor, challenger: torch.Tensor, generator) -> torch.Tensor:
-    """Apply one round's rule to actual tokens [N]: True where the winner so far survives."""
+def _winner_survives(rnd: Round, p: torch.Tensor, winner: torch.Tensor, challenger: torch.Tensor,
+                     u: torch.Tensor) -> torch.Tensor:
+    """Apply one round's rule to actual tokens [N] with one uniform ``u`` per row: True where the
+    winner so far survives."""
     n = winner.shape[0]
     s = rnd.first_wins.shape[1]
     rank_w, rank_c = _rank(rnd.top, winner), _rank(rnd.top, challenger)
     in_block = (rank_w < s) & (rank_c < s)
     flat = (rank_w.clamp_max(s - 1) * s + rank_c.clamp_max(s - 1))[:, None]
     keep_prob = rows_of(rnd.first_wins.flatten(1), n).gather(1, flat).squeeze(1)
-    u = sampling.uniform(n, rnd.first_wins, generator)
     by_rank = torch.where(in_block, u < keep_prob, rank_w <= rank_c)
     # Transfer rule: displaced with probability alpha(winner) * beta(challenger).
     tiny = torch.finfo(p.dtype).tiny

@@ -2,13 +2,14 @@
 
 Both are lossless for any candidates whatever their origin, because the output never depends on
 them; the candidates only decide whether the output counts as an accepted draft
-(REFERENCES.md section 2, "deterministic drafts").
+(arXiv 2410.18234, "deterministic drafts").
 """
 
 import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, as_candidates, first_match
+from multispec.verify.sampling import Uniforms
 from multispec.verify.validation import check_token_inputs
 
 
@@ -27,7 +28,7 @@ def greedy_select(p: torch.Tensor, candidates: torch.Tensor, *, validate: bool =
 def deterministic_select(
     p: torch.Tensor,
     candidates: torch.Tensor,
-    generator: torch.Generator | None = None,
+    rng: Uniforms | torch.Generator | None = None,
     *,
     validate: bool = True,
 ) -> Selection:
@@ -38,9 +39,5 @@ def deterministic_select(
     candidates = as_candidates(candidates)
     if validate:
         check_token_inputs(p, candidates, None, ())
-    n = candidates.shape[0]
-    if p.shape[0] == n:
-        token = sampling.sample_rows(p, generator, fallback=p)
-    else:
-        token = sampling.sample_rows(p.expand(n, -1), generator, fallback=p.expand(n, -1))
+    token = sampling.sample_rows(p, Uniforms.of(rng, candidates.shape[0]), fallback=p)
     return Selection(token, first_match(candidates, token))

@@ -1,4 +1,4 @@
-"""The optimal acceptance of any lossless multi-draft selection, REFERENCES.md section 2.
+"""The optimal acceptance of any lossless multi-draft selection (arXiv 2410.18234).
 
 A reference for analysis and tests, not a scheme to run. The optimum is the value of a linear
 program over couplings of the output with the drafts; equivalently

@@ -1,4 +1,5 @@
-"""Recursive rejection sampling over K drafts, REFERENCES.md section 2 (baselines).
+"""Recursive rejection sampling over K drafts (SpecInfer, arXiv 2305.09781; without replacement: MCSD,
+arXiv 2401.06706).
 
 With replacement (SpecInfer): drafts X_1..X_K are independent, X_i ~ q_i. Each in turn is accepted
 with probability min(1, p_i(X_i)/q_i(X_i)); on rejection the target becomes p_{i+1} = norm((p_i - q_i)_+);
@@ -15,6 +16,7 @@ import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, normalise, rows_of, take
+from multispec.verify.sampling import Uniforms
 from multispec.verify.validation import check_token_inputs
 
 
@@ -22,7 +24,7 @@ def recursive_rejection(
     p: torch.Tensor,
     candidates: torch.Tensor,
     q: torch.Tensor,
-    generator: torch.Generator | None = None,
+    rng: Uniforms | torch.Generator | None = None,
     *,
     without_replacement: bool = False,
     validate: bool = True,
@@ -36,6 +38,7 @@ def recursive_rejection(
     if validate:
         check_token_inputs(p, candidates, q, (2,) if without_replacement else (2, 3))
     n, k_max = candidates.shape
+    rng = Uniforms.of(rng, n)
     p_cur = rows_of(p, n)
     q_cur = rows_of(q, n)
     output = torch.full((n,), -1, dtype=torch.long, device=p.device)
@@ -49,7 +52,7 @@ def recursive_rejection(
         q_k = q_cur[:, k] if q_cur.dim() == 3 else q_cur
         safe = token.clamp_min(0)
         px, qx = take(p_cur, safe), take(q_k, safe)
-        accepted = live & (sampling.uniform(n, p, generator) * qx < px)  # P = min(1, p_k(x)/q_k(x))
+        accepted = live & (rng.draw(sampling.TEST, k, p) * qx < px)  # P = min(1, p_k(x)/q_k(x))
         output = torch.where(accepted, token, output)
         index = torch.where(accepted, k, index)
         undecided &= ~accepted
@@ -61,7 +64,7 @@ def recursive_rejection(
     rest = undecided.nonzero().squeeze(1)
     if rest.numel():
         p_rest = p_cur[rest]
-        output[rest] = sampling.sample_rows(p_rest, generator, fallback=p_rest)
+        output[rest] = sampling.sample_rows(p_rest, rng.rows(rest), fallback=p_rest)
     return Selection(output, index)
 
 

@@ -1,30 +1,160 @@
-"""Random draws shared by the verification schemes.
+"""Random draws shared by the verification schemes, and where their random numbers come from.
 
-Randomness comes only from the caller's ``torch.Generator``, so a fixed seed gives fixed outputs.
+A scheme asks :class:`Uniforms` for one uniform per row for each *purpose* it has (the draw of an
+output token, the accept test of candidate k, the k-th round of a selection tournament). Two
+sources answer:
+
+- keyed (the engine): the uniform is a hash of the row's 64-bit key and the purpose, a
+  counter-based generator in the manner of Philox or Threefry: no state, nothing consumed. The
+  engine keys a row by (request seed, sample index, output position), so the random numbers that
+  decide a sample's token at a position are the same whatever else shares the batch, whatever was
+  drafted and in whatever order requests were admitted. With drafts that carry no distribution the
+  token at each position is then y ~ p drawn with that position's own numbers, exactly the token
+  plain sampling draws: a seeded speculative run repeats the seeded plain run token for token.
+- streamed (tests, analysis): uniforms come from a ``torch.Generator`` in call order.
+
 Every draw from a (residual) distribution goes through :func:`sample_rows`; it is the single place
 where the tests plant a bias to show that their statistical checks have power.
 """
 
+from __future__ import annotations
+
+import numpy as np
 import torch
 
+TOKEN = 0
+"""Purpose of the draw that picks an output token from p or from a residual."""
+TEST = 1
+"""Purpose of the accept test of candidate k (``k`` = the candidate's column)."""
+ROUND = 2
+"""Purpose of the k-th round of a selection tournament."""
+DRAFT = 3
+"""Purpose of the k-th draw of a sampled draft rooted at a position (drafters, not verification)."""
 
-def uniform(n: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``n`` independent U[0, 1) draws with the dtype and device of ``like``."""
-    return torch.rand(n, generator=generator, device=like.device, dtype=like.dtype)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of 64-bit words whose outputs pass BigCrush."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _words(value) -> np.ndarray:
+    """An int or integer array as a uint64 array of at least one dimension (negative ints taken
+    modulo 2**64)."""
+    if isinstance(value, int):
+        return np.asarray([value & _MASK], dtype=np.uint64)
+    return np.atleast_1d(np.asarray(value)).astype(np.uint64)
+
+
+def derive(keys, *words) -> np.ndarray:
+    """Keys (uint64) derived from ``keys`` and each word in turn (ints or integer arrays, which
+    broadcast against each other).
+
+    Each step mixes the word into the key, so keys that differ in any word are unrelated: a
+    sample's key from (seed, index), a position's from (sample key, position), a draw's from
+    (position key, purpose, k).
+    """
+    out = _mix(_words(keys) ^ _GOLDEN)
+    for word in words:
+        out = _mix(out + _mix(_words(word) + _GOLDEN))
+    return out
+
+
+def sample_key(seed: int, index: int) -> int:
+    """The key of sample ``index`` of a request seeded with ``seed``."""
+    return int(derive(seed, index)[0])
+
+
+def keyed_uniforms(keys: np.ndarray, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """U[0, 1) from 64-bit keys [N], with the full resolution of ``dtype`` and never 1.0."""
+    if dtype == torch.float64:
+        return torch.from_numpy((keys >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+    return torch.from_numpy((keys >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)).to(dtype)
+
+
+class Uniforms:
+    """The random numbers of N rows: one U[0, 1) per row for each (purpose, k) a scheme asks for.
+
+    Keyed: a row's uniform for a (purpose, k) is fixed by its key, so a scheme must ask for each
+    (purpose, k) at most once per row (two different values need two different k). Streamed: each
+    call draws fresh numbers from the generator.
+    """
+
+    def __init__(self, n: int, *, keys: np.ndarray | None = None, generator: torch.Generator | None = None):
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} rows")
+        self.n = n
+        self.keys = keys
+        self.generator = generator
+
+    @classmethod
+    def of(cls, rng: Uniforms | torch.Generator | None, n: int) -> Uniforms:
+        """``rng`` as the uniforms of ``n`` rows (a generator, or None for torch's global one)."""
+        if isinstance(rng, Uniforms):
+            if rng.n != n:
+                raise ValueError(f"random numbers for {rng.n} rows given to {n} rows")
+            return rng
+        return cls(n, generator=rng)
+
+    def draw(self, purpose: int, k: int, like: torch.Tensor) -> torch.Tensor:
+        """[N] uniforms for (purpose, k), in ``like``'s dtype and on its device."""
+        if self.keys is None:
+            return torch.rand(self.n, generator=self.generator, device=like.device, dtype=like.dtype)
+        return keyed_uniforms(derive(self.keys, purpose, k), like.dtype).to(like.device)
+
+    def rows(self, index: torch.Tensor) -> Uniforms:
+        """The uniforms of the rows ``index`` (a [M] long tensor) of these N."""
+        if self.keys is None:
+            return Uniforms(int(index.numel()), generator=self.generator)
+        return Uniforms(int(index.numel()), keys=self.keys[index.cpu().numpy()])
+
+
+class PositionKeys:
+    """What keys a tree walk's draws: sample b decides output position ``start[b] + depth`` at a depth.
+
+    ``sample_keys`` [B] uint64 (see :func:`sample_key`), ``start`` [B] the output position each
+    sample's next token takes (its number of output tokens so far)."""
+
+    def __init__(self, sample_keys: np.ndarray, start: np.ndarray):
+        self.sample_keys = np.asarray(sample_keys, dtype=np.uint64)
+        self.start = np.asarray(start, dtype=np.int64)
+
+    def at(self, rows: torch.Tensor, depth: int) -> Uniforms:
+        """The uniforms of samples ``rows`` deciding the token ``depth`` steps past their start."""
+        index = rows.cpu().numpy()
+        return Uniforms(len(index), keys=derive(self.sample_keys[index], self.start[index] + depth))
+
+    def draft_uniforms(self, count: int) -> np.ndarray:
+        """[B, count] float64 uniforms for sampled drafts rooted at each sample's start: keyed by
+        the same position as its verification draws, with their own purpose, so the two never meet."""
+        position = derive(self.sample_keys, self.start)[:, None]
+        return keyed_uniforms(derive(position, DRAFT, np.arange(count)[None, :]).reshape(-1)).numpy().reshape(
+            len(self.start), count)
 
 
 def sample_rows(
     weights: torch.Tensor,
-    generator: torch.Generator | None,
+    rng: Uniforms | torch.Generator | None,
     fallback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one index per row of ``weights`` [N, V] with probability proportional to the row.
 
-    Inverse-CDF sampling: one cumulative sum and one uniform per row, cheaper over a 49k
-    vocabulary than Gumbel noise or ``torch.multinomial``. A row whose weights sum to zero is only
-    reachable through rounding (an analytically vanishing residual); it draws from the same row of
-    ``fallback`` instead (usually the target distribution itself).
+    Inverse-CDF sampling: one cumulative sum and one uniform per row (purpose ``TOKEN``), cheaper
+    over a 49k vocabulary than Gumbel noise or ``torch.multinomial``. ``weights`` may be one row
+    [1, V] shared by the N rows of ``rng`` (a prompt's n samples). A row whose weights sum to zero
+    is only reachable through rounding (an analytically vanishing residual); it draws from the
+    same row of ``fallback`` instead (usually the target distribution itself).
     """
+    n = rng.n if isinstance(rng, Uniforms) else weights.shape[0]
+    rng = Uniforms.of(rng, n)
     cdf = weights.cumsum(-1)
     total = cdf[:, -1]
     if fallback is not None:
@@ -33,8 +163,12 @@ def sample_rows(
             weights = torch.where(empty[:, None], fallback, weights)
             cdf = weights.cumsum(-1)
             total = cdf[:, -1]
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    index = torch.searchsorted(cdf, u * total[:, None], right=True).squeeze(1)
+    u = rng.draw(TOKEN, 0, cdf)
+    if weights.shape[0] == 1 and n != 1:
+        index = torch.searchsorted(cdf[0], u * total[0], right=True)
+        weights = weights.expand(n, -1)
+    else:
+        index = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1)
     # With right=True a zero-weight entry is never returned, except that u * total can round up
     # to total; those rows take their last entry of positive weight.
     overflow = index >= weights.shape[1]

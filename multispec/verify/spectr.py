@@ -1,4 +1,4 @@
-"""SpecTr K-SEQ (Sun et al.), REFERENCES.md section 2.
+"""SpecTr K-SEQ (Sun et al., arXiv 2310.15141).
 
 K i.i.d. drafts from q. With beta(rho) = sum_x min(p(x)/rho, q(x)), each draft passes the test
 rho * U_i <= p(X_i)/q(X_i) with probability beta(rho), so some draft passes with probability
@@ -13,6 +13,7 @@ import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, first_true, rows_of
+from multispec.verify.sampling import Uniforms
 from multispec.verify.validation import check_token_inputs
 
 BISECTION_STEPS = 30
@@ -41,7 +42,7 @@ def spectr_select(
     p: torch.Tensor,
     candidates: torch.Tensor,
     q: torch.Tensor,
-    generator: torch.Generator | None = None,
+    rng: Uniforms | torch.Generator | None = None,
     *,
     validate: bool = True,
 ) -> Selection:
@@ -49,6 +50,7 @@ def spectr_select(
     if validate:
         check_token_inputs(p, candidates, q, (2,))
     n, k_max = candidates.shape
+    rng = Uniforms.of(rng, n)
     valid = candidates >= 0
     count = valid.sum(1)
     if p.shape[0] == 1 and bool((count != k_max).any()):
@@ -58,13 +60,14 @@ def spectr_select(
     safe = candidates.clamp_min(0)
     px = rows_of(p, n).gather(1, safe)
     qx = rows_of(q, n).gather(1, safe)
-    u = torch.rand(n, k_max, generator=generator, device=p.device, dtype=p.dtype)
+    u = torch.stack([rng.draw(sampling.TEST, k, p) for k in range(k_max)], 1)
     passed = valid & (rows_of(rho, n)[:, None] * u * qx < px)  # P = min(1, p(x) / (rho q(x)))
     index = first_true(passed)
     output = candidates.gather(1, index.clamp_min(0)[:, None]).squeeze(1)
     rejected = (index < 0).nonzero().squeeze(1)
     if rejected.numel():
-        output[rejected] = sampling.sample_rows(_residual(p, q, rho, k, rejected, n), generator, fallback=rows_of(p, n)[rejected])
+        output[rejected] = sampling.sample_rows(_residual(p, q, rho, k, rejected, n), rng.rows(rejected),
+                                                fallback=rows_of(p, n)[rejected])
     return Selection(output, index)
 
 

@@ -1,4 +1,4 @@
-"""Single-draft speculative sampling (Leviathan et al.; Chen et al.), REFERENCES.md section 2.
+"""Single-draft speculative sampling (Leviathan et al., arXiv 2211.17192; Chen et al., arXiv 2302.01318).
 
 Accept the draft x ~ q with probability min(1, p(x)/q(x)); otherwise sample norm((p - q)_+).
 The output is exactly p and the acceptance is sum_x min(p(x), q(x)) = 1 - TV(p, q). The canonical
@@ -9,6 +9,7 @@ import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, as_candidates, rows_of, take
+from multispec.verify.sampling import Uniforms
 from multispec.verify.validation import check_token_inputs
 
 
@@ -16,21 +17,22 @@ def accept_or_resample(
     p: torch.Tensor,
     proposal: torch.Tensor,
     token: torch.Tensor,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
+    rng: Uniforms | torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless correction of ``token`` [N] drawn from ``proposal``: the output, and whether it was accepted.
 
     ``p`` and ``proposal`` are [R, V] with R = 1 or N. Returns (output [N], accepted [N] bool).
     """
     n = token.shape[0]
+    rng = Uniforms.of(rng, n)
     px, qx = take(p, token), take(proposal, token)
-    accepted = sampling.uniform(n, p, generator) * qx < px  # P = min(1, p(x)/q(x))
+    accepted = rng.draw(sampling.TEST, 0, p) * qx < px  # P = min(1, p(x)/q(x))
     output = token.clone()
     rejected = (~accepted).nonzero().squeeze(1)
     if rejected.numel():
         p_rej = rows_of(p, n)[rejected]
         residual = (p_rej - rows_of(proposal, n)[rejected]).clamp_min(0)  # norm((p - q)_+)
-        output[rejected] = sampling.sample_rows(residual, generator, fallback=p_rej)
+        output[rejected] = sampling.sample_rows(residual, rng.rows(rejected), fallback=p_rej)
     return output, accepted
 
 
@@ -38,7 +40,7 @@ def single_draft(
     p: torch.Tensor,
     candidates: torch.Tensor,
     q: torch.Tensor,
-    generator: torch.Generator | None = None,
+    rng: Uniforms | torch.Generator | None = None,
     *,
     validate: bool = True,
 ) -> Selection:
@@ -49,7 +51,7 @@ def single_draft(
         if candidates.shape[1] != 1:
             raise ValueError(f"single-draft speculative sampling takes one candidate per row, got K = {candidates.shape[1]}")
     token = candidates[:, 0]
-    output, accepted = accept_or_resample(p, q, token, generator)
+    output, accepted = accept_or_resample(p, q, token, rng)
     index = torch.where(accepted, 0, -1)
     return Selection(output, index)
 

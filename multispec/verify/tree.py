@@ -14,25 +14,22 @@ Temperature 0: pass scheme="greedy" with any p whose argmax is the greedy token 
 logits-derived); it never draws random numbers. A batch that mixes greedy and sampled samples
 passes one-hot rows for the greedy ones: every scheme then follows argmax exactly, since each is
 lossless for every p.
+
+Randomness: a ``torch.Generator`` (draws in call order), or :class:`~multispec.verify.sampling.PositionKeys`
+(the engine): sample b's draws at depth d are keyed by its key and output position start[b] + d,
+so they never depend on the rest of the batch or on what was drafted.
 """
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection
-from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S, canonical_select
-from multispec.verify.direct import deterministic_select, greedy_select
-from multispec.verify.recursive import recursive_rejection
-from multispec.verify.speculative import single_draft
-from multispec.verify.spectr import spectr_select
+from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S
+from multispec.verify.sampling import PositionKeys, Uniforms
+from multispec.verify.schemes import SCHEMES, Scheme, resolve
 from multispec.verify.validation import check_distribution, check_integer
-
-SCHEMES = ("greedy", "deterministic", "single", "specinfer", "without_replacement", "spectr", "canonical_lp", "canonical_wis")
-# Schemes that read each sibling group's shared q (the first sibling's row) rather than one row per sibling.
-SHARED_Q = ("single", "without_replacement", "spectr", "canonical_lp", "canonical_wis")
 
 
 @dataclass
@@ -64,7 +61,7 @@ def verify_tree(
     node_offsets: torch.Tensor,
     q: torch.Tensor | None = None,
     scheme: str = "auto",
-    generator: torch.Generator | None = None,
+    rng: PositionKeys | torch.Generator | None = None,
     *,
     validate: bool = True,
     top_s: int = DEFAULT_TOP_S,
@@ -76,20 +73,18 @@ def verify_tree(
     node_parents [M] (local parent index, -1 = root child, parents before children), node_offsets
     [B + 1]; q [M, V] the distribution each node was drawn from, or None for deterministic drafts.
 
-    Which joint law the siblings were drawn from decides which schemes are lossless:
-    "specinfer" allows independent siblings with different q rows; "spectr", "canonical_lp",
-    "canonical_wis" need i.i.d. siblings (equal q rows); "without_replacement" needs siblings drawn
-    one after another without replacement from their first sibling's q row; "single" allows one
-    child per node; "deterministic" and "greedy" ignore q. "auto" picks "deterministic" when q is
-    None and "canonical_wis" otherwise (i.i.d. siblings, the drafters' default).
+    Which joint law the siblings were drawn from decides which schemes are lossless (see
+    ``multispec.verify.schemes``: each scheme's preconditions, checked by the engine before a
+    request runs). "auto" picks "deterministic" when q is None and "canonical_wis" otherwise
+    (i.i.d. siblings).
     """
-    scheme = resolve_scheme(scheme, q)
+    chosen = SCHEMES["deterministic" if q is None else "canonical_wis"] if scheme == "auto" else resolve(scheme, None)
     if validate:
-        _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme)
+        _check_tree(p, node_tokens, node_parents, node_offsets, q, chosen)
     layout = tree_layout(node_parents, node_offsets)
-    if scheme == "single" and layout.children.shape[1] > 1:
-        raise ValueError("scheme 'single' takes at most one child per node; use a multi-draft scheme for branching trees")
-    select = _token_scheme(scheme, top_s, ranked)
+    if chosen.max_width is not None and layout.children.shape[1] > chosen.max_width:
+        raise ValueError(f"scheme {chosen.name!r} takes at most {chosen.max_width} child per node; use a multi-draft "
+                         f"scheme for branching trees")
     batch = node_offsets.shape[0] - 1
     device = p.device
     current = layout.root_row.clone()
@@ -103,7 +98,13 @@ def verify_tree(
         rows = current[who]
         kids = layout.children[rows]
         kids = kids[:, : max(1, int((kids >= 0).sum(1).max()))]
-        choice = _select_at_nodes(select, scheme, p[rows], kids, node_tokens, q, generator)
+        if chosen.temperature_zero_only:  # greedy draws nothing
+            uniforms = None
+        elif isinstance(rng, PositionKeys):
+            uniforms = rng.at(who, depth)
+        else:
+            uniforms = Uniforms(who.numel(), generator=rng)
+        choice = _select_at_nodes(chosen, p[rows], kids, node_tokens, q, uniforms, top_s, ranked)
         accepted = choice.index >= 0
         child = kids.gather(1, choice.index.clamp_min(0)[:, None]).squeeze(1)
         stopped = who[~accepted]
@@ -116,49 +117,28 @@ def verify_tree(
     return _result(path, bonus, node_tokens, layout)
 
 
-def resolve_scheme(scheme: str, q: torch.Tensor | None) -> str:
-    """Name of the scheme that will run; "auto" resolves from whether drafts carry a distribution."""
-    if scheme == "auto":
-        return "deterministic" if q is None else "canonical_wis"
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; expected 'auto' or one of {SCHEMES}")
-    return scheme
-
-
-def _token_scheme(scheme: str, top_s: int, ranked: int | None):
-    """The token-level function for ``scheme`` with inputs already validated."""
-    if scheme in ("greedy", "deterministic"):
-        return None
-    if scheme == "single":
-        return partial(single_draft, validate=False)
-    if scheme in ("specinfer", "without_replacement"):
-        return partial(recursive_rejection, without_replacement=scheme == "without_replacement", validate=False)
-    if scheme == "spectr":
-        return partial(spectr_select, validate=False)
-    return partial(canonical_select, rule=scheme.removeprefix("canonical_"), top_s=top_s, ranked=ranked, validate=False)
-
-
-def _select_at_nodes(select, scheme, p_rows, kids, node_tokens, q, generator) -> Selection:
-    """Run the scheme at one node per row; rows without children take argmax p or a draw from p."""
+def _select_at_nodes(scheme: Scheme, p_rows, kids, node_tokens, q, rng: Uniforms | None, top_s, ranked) -> Selection:
+    """Run the scheme at one node per row; rows without children take argmax p (greedy) or a draw
+    from p, the same draw plain sampling makes there."""
     n = p_rows.shape[0]
     no_index = torch.full((n,), -1, dtype=torch.long, device=p_rows.device)
+    greedy = scheme.temperature_zero_only
     if not bool((kids[:, 0] >= 0).any()):
-        token = p_rows.argmax(-1) if scheme == "greedy" else sampling.sample_rows(p_rows, generator, fallback=p_rows)
+        token = p_rows.argmax(-1) if greedy else sampling.sample_rows(p_rows, rng, fallback=p_rows)
         return Selection(token, no_index)
     candidates = torch.where(kids >= 0, node_tokens[kids.clamp_min(0)], -1)
-    if scheme == "greedy":
-        return greedy_select(p_rows, candidates, validate=False)
-    if scheme == "deterministic":
-        return deterministic_select(p_rows, candidates, generator, validate=False)
+    if not scheme.needs_q:  # greedy and deterministic take leaves as nodes without candidates
+        return scheme.select(p_rows, candidates, None, rng, top_s, ranked)
     leaf = kids[:, 0] < 0
     token = torch.empty(n, dtype=torch.long, device=p_rows.device)
     if bool(leaf.any()):
-        token[leaf] = sampling.sample_rows(p_rows[leaf], generator, fallback=p_rows[leaf])
+        rows = leaf.nonzero().squeeze(1)
+        token[rows] = sampling.sample_rows(p_rows[rows], rng.rows(rows), fallback=p_rows[rows])
     inner = (~leaf).nonzero().squeeze(1)
     if inner.numel():
         inner_kids = kids[inner]
-        q_rows = q[inner_kids[:, 0]] if scheme in SHARED_Q else q[inner_kids.clamp_min(0)]
-        chosen = select(p_rows[inner], candidates[inner], q_rows, generator)
+        q_rows = q[inner_kids[:, 0]] if scheme.shared_q else q[inner_kids.clamp_min(0)]
+        chosen = scheme.select(p_rows[inner], candidates[inner], q_rows, rng.rows(inner), top_s, ranked)
         token[inner] = chosen.token
         no_index[inner] = chosen.index
     return Selection(token, no_index)
@@ -233,9 +213,9 @@ def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme) -> None:
     local = torch.arange(num_nodes, device=p.device) - node_offsets[:-1][sample]
     if bool(((node_parents < -1) | (node_parents >= local)).any()):
         raise ValueError("node_parents: each parent must be -1 (root) or an earlier node of the same sample")
-    if scheme in SCHEMES[2:]:
+    if scheme.needs_q:
         if q is None:
-            raise ValueError(f"scheme {scheme!r} needs q, the draft distributions of the nodes")
+            raise ValueError(f"scheme {scheme.name!r} needs q, the draft distributions of the nodes")
         if q.shape != (num_nodes, vocab):
             raise ValueError(f"q must be [M, V] = [{num_nodes}, {vocab}], got shape {tuple(q.shape)}")
         check_distribution("q", q)

@@ -114,7 +114,8 @@ def test_random_texts_give_valid_trees(check_tree, sampled, aggregate):
     drafter.add_group(0, [rng.randrange(6) for _ in range(20)], samples)
     for _ in range(40):
         budgets = [rng.randrange(9) for _ in samples]
-        trees = drafter.propose(samples, budgets, None)
+        uniforms = [[rng.random() for _ in range(b)] for b in budgets] if sampled else None
+        trees = drafter.propose(samples, budgets, uniforms)
         for sample, budget, tree in zip(samples, budgets, trees):
             check_tree(tree, min(budget, max_nodes), max_depth, V)
             new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]

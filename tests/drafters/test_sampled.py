@@ -25,6 +25,11 @@ def drafter_with_known_distribution(**options):
     return drafter
 
 
+def uniforms(generator: torch.Generator, count: int) -> list[list[float]]:
+    """One sample's uniforms for ``propose``, drawn from ``generator``."""
+    return [torch.rand(count, generator=generator, dtype=torch.float64).tolist()]
+
+
 def assert_follows(counts: Counter, q: dict[int, float]):
     assert set(counts) <= set(q)
     total = sum(counts.values())
@@ -34,7 +39,7 @@ def assert_follows(counts: Counter, q: dict[int, float]):
 
 
 def test_q_rows_are_the_aggregated_distributions(check_tree):
-    tree = drafter_with_known_distribution().propose([0], [2], torch.Generator().manual_seed(0))[0]
+    tree = drafter_with_known_distribution().propose([0], [2], uniforms(torch.Generator().manual_seed(0), 2))[0]
     check_tree(tree, 2, 2, V)
     assert tree.parents == [-1, 0]
     assert tree.q[0].tolist() == pytest.approx([ROOT_Q.get(t, 0.0) for t in range(V)])
@@ -47,7 +52,7 @@ def test_chain_draws_match_q():
     generator = torch.Generator().manual_seed(1)
     first, second_after_5 = Counter(), Counter()
     for _ in range(3000):
-        tree = drafter.propose([0], [2], generator)[0]
+        tree = drafter.propose([0], [2], uniforms(generator, 2))[0]
         first[tree.tokens[0]] += 1
         if tree.tokens[0] == 5:
             second_after_5[tree.tokens[1]] += 1
@@ -60,7 +65,7 @@ def test_root_drafts_are_iid_and_share_a_row(check_tree):
     generator = torch.Generator().manual_seed(2)
     first, pairs = Counter(), Counter()
     for _ in range(1500):
-        tree = drafter.propose([0], [6], generator)[0]
+        tree = drafter.propose([0], [6], uniforms(generator, 6))[0]
         check_tree(tree, 6, 2, V)
         roots = [i for i, parent in enumerate(tree.parents) if parent == -1]
         assert len(roots) == 3
@@ -72,14 +77,18 @@ def test_root_drafts_are_iid_and_share_a_row(check_tree):
     assert_follows(pairs, {True: same, False: 1 - same})
 
 
-def test_draws_are_reproducible_from_the_generator():
+def test_draws_are_a_function_of_the_uniforms():
+    """The engine keys each sample's uniforms to its position, so the same uniforms must give the
+    same tree, and a sampled drafter refuses to draw without them."""
     def draw(seed):
         drafter = drafter_with_known_distribution(num_drafts=2)
         generator = torch.Generator().manual_seed(seed)
-        return [drafter.propose([0], [4], generator)[0].tokens for _ in range(20)]
+        return [drafter.propose([0], [4], uniforms(generator, 4))[0].tokens for _ in range(20)]
 
     assert draw(3) == draw(3)
     assert draw(3) != draw(4)
+    with pytest.raises(ValueError, match="uniforms"):
+        drafter_with_known_distribution().propose([0], [4])
 
 
 def test_point_mass_root_spends_budget_on_one_chain():
@@ -87,6 +96,6 @@ def test_point_mass_root_spends_budget_on_one_chain():
     drafter.add_group(0, [0], [0, 1])
     drafter.observe(0, [1, 2])
     drafter.observe(1, [1, 2, 4, 5, 6])
-    tree = drafter.propose([0], [6], torch.Generator().manual_seed(0))[0]
+    tree = drafter.propose([0], [6], uniforms(torch.Generator().manual_seed(0), 6))[0]
     assert tree.tokens == [4, 5, 6]
     assert tree.parents == [-1, 0, 1]

@@ -1,9 +1,18 @@
-"""Tree verification: the walk over a packed batch of draft trees is lossless and well formed."""
+"""Tree verification: the walk over a packed batch of draft trees is lossless and well formed.
 
+Every scheme is walked against every law of sibling drafts: where the registry's preconditions
+accept the pairing the joint law of the output must be the target's; where they refuse it, the
+engine never runs it (``tests/engine/test_configurations.py``), and for the refusal the issue
+was found with (recursive rejection without replacement on i.i.d. drafts) the bias is shown.
+"""
+
+import numpy as np
 import pytest
 import torch
 
-from multispec.verify import verify_tree
+from multispec.verify import DraftLaw, PositionKeys, check_drafts, verify_tree
+from multispec.verify.sampling import sample_rows
+from multispec.verify.schemes import COPIED, IID, INDEPENDENT, SCHEMES, WITHOUT_REPLACEMENT
 from tests.verify.verify_stats import ALPHA, chi_square_pvalue, dirichlet, np_counts
 
 VOCAB = 4
@@ -20,6 +29,8 @@ class Language:
         g = torch.Generator().manual_seed(seed)
         self.p = [torch.cat([dirichlet(VOCAB, 0.7, g) for _ in range(VOCAB**d)]) for d in range(4)]
         self.q = [torch.cat([dirichlet(VOCAB, 0.7, g) for _ in range(VOCAB**d)]) for d in range(4)]
+        self.q_other = [torch.cat([dirichlet(VOCAB, 0.7, g) for _ in range(VOCAB**d)]) for d in range(4)]
+        """A second draft distribution: independent siblings alternate between q and this."""
 
     def joint(self) -> torch.Tensor:
         """Target probability of every 3-token sequence, indexed x1 * V^2 + x2 * V + x3."""
@@ -29,8 +40,10 @@ class Language:
         return (p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)).flatten()
 
 
-def _draft_batch(lang: Language, without_replacement: bool, g: torch.Generator):
-    """Packed inputs for SAMPLES copies of the tree, each drafted independently from q."""
+def _draft_batch(lang: Language, law: str, g: torch.Generator):
+    """Packed inputs for SAMPLES copies of the tree, drafted under ``law``: copied (the siblings are
+    q's most likely tokens, fixed before any draw), i.i.d. from q, independently from q and
+    q_other in turn, or from q without replacement."""
     n_nodes = len(PARENTS)
     tokens = torch.zeros(SAMPLES, n_nodes, dtype=torch.long)
     prefix = torch.zeros(SAMPLES, n_nodes, dtype=torch.long)  # index of the prefix ending at the node
@@ -43,15 +56,19 @@ def _draft_batch(lang: Language, without_replacement: bool, g: torch.Generator):
         depth = int(DEPTH[first]) - 1
         context = torch.zeros(SAMPLES, dtype=torch.long) if parent < 0 else prefix[:, parent]
         q = lang.q[depth][context]
-        if without_replacement and len(siblings) > 1:
+        q_each = [lang.q_other[depth][context] if law == INDEPENDENT and column % 2 else q
+                  for column in range(len(siblings))]
+        if law == COPIED:
+            drawn = q.topk(len(siblings), -1).indices
+        elif law == WITHOUT_REPLACEMENT and len(siblings) > 1:
             u = torch.rand(SAMPLES, VOCAB, generator=g, dtype=torch.float64).clamp_min(1e-300)
             drawn = (q.log() - (-u.log()).log()).topk(len(siblings), -1).indices
         else:
-            drawn = torch.multinomial(q, len(siblings), replacement=True, generator=g)
+            drawn = torch.stack([torch.multinomial(row, 1, generator=g)[:, 0] for row in q_each], 1)
         for column, j in enumerate(siblings):
             tokens[:, j] = drawn[:, column]
             prefix[:, j] = context * VOCAB + drawn[:, column]
-            q_rows[:, j] = q
+            q_rows[:, j] = q_each[column]
     root = lang.p[0].expand(SAMPLES, 1, VOCAB)
     after = torch.stack([lang.p[int(DEPTH[j])][prefix[:, j]] for j in range(n_nodes)], 1)
     p = torch.cat([root, after], 1).reshape(-1, VOCAB)
@@ -73,30 +90,67 @@ def _first_three(lang: Language, result, g: torch.Generator) -> torch.Tensor:
     return context
 
 
-@pytest.mark.parametrize("scheme", ["deterministic", "specinfer", "without_replacement", "spectr", "canonical_lp", "canonical_wis"])
-def test_first_three_tokens_follow_target(scheme):
-    """Joint law of the first 3 output tokens (64 outcomes) vs the target's, chi-square at alpha = 1e-4.
+WIDTH = 2  # the most children a node of PARENTS has
+PAIRS = [(scheme, law) for scheme in SCHEMES for law in (COPIED, IID, INDEPENDENT, WITHOUT_REPLACEMENT)]
+
+
+def _accepts(scheme: str, law: str) -> bool:
+    try:
+        check_drafts(scheme, DraftLaw(law, WIDTH), temperature=1.0)
+    except ValueError:
+        return False
+    return True
+
+
+def _walk(scheme: str, law: str, seed: int = 5):
+    """Index of the first three output tokens of SAMPLES walks, the draws keyed per sample and
+    position as the engine keys them."""
+    lang = Language(seed=11)
+    g = torch.Generator().manual_seed(seed)
+    p, tokens, parents, offsets, q = _draft_batch(lang, law, g)
+    keys = PositionKeys(np.arange(SAMPLES, dtype=np.uint64) + np.uint64(seed << 32), np.zeros(SAMPLES, dtype=np.int64))
+    result = verify_tree(p, tokens, parents, offsets, None if law == COPIED else q, scheme=scheme, rng=keys)
+    assert int(result.num_accepted.max()) == 3  # full paths occur, so every depth is exercised
+    return lang, _first_three(lang, result, g)
+
+
+@pytest.mark.parametrize("scheme,law", [pair for pair in PAIRS if _accepts(*pair)])
+def test_first_three_tokens_follow_target(scheme, law):
+    """Joint law of the first 3 output tokens (64 outcomes) vs the target's, chi-square at alpha = 1e-4,
+    for every (scheme, law of the siblings) pairing the preconditions accept.
 
     100,000 walks of a depth-3 branching tree in one call; at each depth p depends on the prefix.
     Detects 0.5% of the mass moved between two sequences of probability 1/64 with power above
     0.99 (noncentrality about 320, 63 degrees of freedom). A wrong conditional at any depth, a walk
     into the wrong child, or a bonus drawn from the wrong row all shift the joint law.
     """
-    lang = Language(seed=11)
-    g = torch.Generator().manual_seed(5)
-    p, tokens, parents, offsets, q = _draft_batch(lang, scheme == "without_replacement", g)
-    result = verify_tree(p, tokens, parents, offsets, None if scheme == "deterministic" else q, scheme=scheme, generator=g)
-    assert int(result.num_accepted.max()) == 3  # full paths occur, so every depth is exercised
-    index = _first_three(lang, result, g)
+    lang, index = _walk(scheme, law)
     assert chi_square_pvalue(np_counts(index, VOCAB**3), lang.joint()) > ALPHA
+
+
+def test_the_walk_covers_every_scheme_and_law():
+    """Every scheme runs under some law, and every law of drafts has an exact scheme besides the
+    draft-blind deterministic one (greedy runs only at temperature 0, tested elsewhere)."""
+    accepted = [pair for pair in PAIRS if _accepts(*pair)]
+    assert {scheme for scheme, _ in accepted} == set(SCHEMES) - {"greedy", "single"}
+    assert {law for scheme, law in accepted if scheme != "deterministic"} == {IID, INDEPENDENT, WITHOUT_REPLACEMENT}
+
+
+def test_a_refused_pairing_is_biased():
+    """Why the preconditions matter: recursive rejection without replacement on siblings drawn
+    with replacement (what sampled consensus drafts are) changes the output law, and the same
+    chi-square test that passes the accepted pairings rejects it."""
+    assert not _accepts("without_replacement", IID)
+    lang, index = _walk("without_replacement", IID)
+    assert chi_square_pvalue(np_counts(index, VOCAB**3), lang.joint()) < ALPHA
 
 
 def test_accepted_path_is_a_path():
     """Accepted nodes run root-child first, each the child of the previous, with matching tokens."""
     lang = Language(seed=3)
     g = torch.Generator().manual_seed(0)
-    p, tokens, parents, offsets, q = _draft_batch(lang, False, g)
-    result = verify_tree(p[: 11 * 50], tokens[:500], parents[:500], offsets[:51], q[:500], scheme="spectr", generator=g)
+    p, tokens, parents, offsets, q = _draft_batch(lang, IID, g)
+    result = verify_tree(p[: 11 * 50], tokens[:500], parents[:500], offsets[:51], q[:500], scheme="spectr", rng=g)
     for b, nodes in enumerate(result.accepted_nodes):
         expected_parent = -1
         for depth, node in enumerate(nodes):
@@ -128,7 +182,7 @@ def test_samples_without_drafts_sample_plainly():
     """Samples with no nodes (and an all-empty batch) just draw their bonus from the root row."""
     # Sample 0: no nodes, root row 0. Sample 1: root row 1 (certainly token 2), node 0 = token 2, row 2 after it.
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    result = verify_tree(p, torch.tensor([2]), torch.tensor([-1]), torch.tensor([0, 0, 1]), q=None, generator=torch.Generator().manual_seed(0))
+    result = verify_tree(p, torch.tensor([2]), torch.tensor([-1]), torch.tensor([0, 0, 1]), q=None, rng=torch.Generator().manual_seed(0))
     assert result.accepted_nodes == [[], [0]]
     assert result.bonus_token.tolist() == [1, 0]
     empty = verify_tree(p[:2], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.tensor([0, 0, 0]))
@@ -140,3 +194,65 @@ def test_single_rejects_branching_trees():
     p = torch.full((3, 4), 0.25)
     with pytest.raises(ValueError, match="single"):
         verify_tree(p, torch.tensor([0, 1]), torch.tensor([-1, -1]), torch.tensor([0, 2]), torch.full((2, 4), 0.25), scheme="single")
+
+
+def _emitted(result) -> torch.Tensor:
+    """[B, depth_max + 1] tokens each sample emits (accepted path, then the bonus), -1 after."""
+    b = result.bonus_token.shape[0]
+    emitted = torch.cat([result.accepted_tokens, torch.full((b, 1), -1)], 1)
+    emitted[torch.arange(b), result.num_accepted] = result.bonus_token
+    return emitted
+
+
+@pytest.mark.parametrize("law", [COPIED, IID])
+def test_keyed_draws_make_draft_blind_schemes_repeat_plain_sampling(law):
+    """With position-keyed draws the deterministic scheme emits, at every position, the token plain
+    sampling draws there with the same keys, whatever the drafts were: the property that lets a
+    seeded speculative run repeat the seeded plain run token for token."""
+    lang = Language(seed=4)
+    g = torch.Generator().manual_seed(1)
+    p, tokens, parents, offsets, q = _draft_batch(lang, law, g)
+    n = 5000
+    p, tokens, parents, offsets = p[: n * 11], tokens[: n * 10], parents[: n * 10], offsets[: n + 1]
+    keys = PositionKeys(np.arange(n, dtype=np.uint64) * np.uint64(7919), np.full(n, 3, dtype=np.int64))
+    emitted = _emitted(verify_tree(p, tokens, parents, offsets, scheme="deterministic", rng=keys))
+    context = torch.zeros(n, dtype=torch.long)
+    for depth in range(3):
+        plain = sample_rows(lang.p[depth][context], keys.at(torch.arange(n), depth))
+        live = emitted[:, depth] >= 0
+        assert torch.equal(emitted[live, depth], plain[live])
+        context = context * VOCAB + torch.where(live, emitted[:, depth], 0)
+    assert bool((emitted[:, 2] >= 0).any())  # some samples accepted two drafts: three positions compared
+
+
+def test_keyed_draws_do_not_depend_on_the_batch():
+    """A sample's accepted path and bonus are the same whether it is verified with the whole batch,
+    alone, or in another order, because its draws are keyed by its own key and position."""
+    lang = Language(seed=8)
+    g = torch.Generator().manual_seed(2)
+    p, tokens, parents, offsets, q = _draft_batch(lang, IID, g)
+    n = 40
+    # Trees of different sizes: sample b keeps its first b % 11 nodes (a prefix of PARENTS is a tree).
+    keep = [b % 11 for b in range(n)]
+    rows = torch.cat([torch.arange(11 * b, 11 * b + 1 + k) for b, k in enumerate(keep)])
+    nodes = torch.cat([torch.arange(10 * b, 10 * b + k) for b, k in enumerate(keep)])
+    batch = dict(p=p[rows], node_tokens=tokens[nodes], node_parents=parents[nodes],
+                 node_offsets=torch.tensor([0, *np.cumsum(keep)]), q=q[nodes])
+    sample_keys = np.arange(n, dtype=np.uint64) + np.uint64(12345)
+    start = np.arange(n, dtype=np.int64) * 3
+
+    def run(order: list[int], scheme: str):
+        sub_rows = torch.cat([torch.arange(int(batch["node_offsets"][b]) + b, int(batch["node_offsets"][b + 1]) + b + 1)
+                              for b in order])
+        sub_nodes = torch.cat([torch.arange(int(batch["node_offsets"][b]), int(batch["node_offsets"][b + 1]))
+                               for b in order])
+        result = verify_tree(batch["p"][sub_rows], batch["node_tokens"][sub_nodes], batch["node_parents"][sub_nodes],
+                             torch.tensor([0, *np.cumsum([keep[b] for b in order])]), q=batch["q"][sub_nodes],
+                             scheme=scheme, rng=PositionKeys(sample_keys[order], start[order]))
+        return {b: (result.accepted_nodes[i], int(result.bonus_token[i])) for i, b in enumerate(order)}
+
+    for scheme in ("canonical_wis", "specinfer", "deterministic"):
+        whole = run(list(range(n)), scheme)
+        assert any(path for path, _ in whole.values())
+        assert run(list(reversed(range(n))), scheme) == whole
+        assert {b: run([b], scheme)[b] for b in range(0, n, 7)} == {b: whole[b] for b in range(0, n, 7)}

@@ -66,7 +66,7 @@ def _tree(**change):
 
 
 def test_valid_tree_passes():
-    result = verify_tree(**_tree(), generator=torch.Generator().manual_seed(0))
+    result = verify_tree(**_tree(), rng=torch.Generator().manual_seed(0))
     assert result.bonus_token.shape == (2,)
 
 
@@ -84,7 +84,7 @@ def test_valid_tree_passes():
         ({"q": None}, "needs q"),
         ({"q": torch.full((2, 4), 0.25)}, "q must be"),
         ({"q": torch.full((3, 4), -0.25)}, "negative"),
-        ({"scheme": "magic"}, "unknown scheme"),
+        ({"scheme": "magic"}, "scheme='magic'"),
         ({"node_tokens": torch.tensor([1.0, 2.0, 3.0])}, "integer"),
     ],
 )

@@ -1,0 +1,158 @@
+"""No configuration breaks the output distribution: every (drafter, sampled_drafts, scheme) either
+runs exactly or is refused before any work.
+
+Walked end to end on the tiny successor model (``tests.tiny_models``), where a call of 1,000
+samples takes a fraction of a second, in three draft shapes: a chain (one child per node), a fork
+(three children of the root) and a tree. Allowed configurations whose scheme ignores the drafts'
+distribution must return the seeded plain samples token for token; those that use it must give
+the first three tokens their exact law (chi-square, power asserted). Refused ones must raise a
+ValueError before the engine runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from scipy.stats import chi2, chisquare, ncx2
+
+from multispec import LLM, SamplingParams, SpecConfig
+from multispec.drafters import DRAFTERS
+from multispec.verify.schemes import NAMES, resolve
+from tests.helpers import exact_cells
+from tests.tiny_models import chain, cycle_start, write_successor_model
+
+TEMPERATURE = 1.0
+LENGTH = 3
+MAX_TOKENS = 6  # past the tokens tested, so the end of a sample never clips the drafts
+SHAPES = {"chain": (2, 2), "fork": (1, 3), "tree": (2, 4)}  # (max_draft_tokens, max_draft_nodes)
+CALLS, PER_CALL = 4, 1000
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def successor(tmp_path_factory):
+    """The model, a prompt running three times around its short cycle, and the exact law of the
+    first LENGTH tokens after it (cells of probability >= 0.4%, plus the rest)."""
+    directory = tmp_path_factory.mktemp("successor")
+    successor = write_successor_model(directory)
+    llm = LLM(str(directory), device="cpu")
+    prompt = chain(successor, cycle_start(successor), 24)
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004)
+    return llm, prompt, cells
+
+
+def configure(drafter: str, sampled: bool, scheme: str, shape: str) -> SpecConfig | ValueError:
+    depth, nodes = SHAPES[shape]
+    try:
+        return SpecConfig(drafter=drafter, sampled_drafts=sampled, scheme=scheme, max_draft_tokens=depth,
+                          max_draft_nodes=nodes, adaptive=False)
+    except ValueError as error:
+        return error
+
+
+def params(seed: int, n: int = PER_CALL) -> SamplingParams:
+    return SamplingParams(n=n, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed)
+
+
+def power(expected_p: list[float], total: int, moved: float, to: int) -> float:
+    """Power of the chi-square test at ALPHA against a sampler that moves ``moved`` of the
+    probability mass from the likeliest cell to cell ``to`` (from the noncentral chi-square)."""
+    shifted = list(expected_p)
+    shifted[0] -= moved
+    shifted[to] += moved
+    df = len(expected_p) - 1
+    return ncx2.sf(chi2.isf(ALPHA, df), df, total * sum((a - b) ** 2 / b for a, b in zip(shifted, expected_p)))
+
+
+def assert_first_tokens_follow_the_law(llm, prompt, cells, spec):
+    """Chi-square of CALLS x PER_CALL samples' first LENGTH tokens against the exact law. Its power
+    at alpha = 1e-3 is asserted >= 0.9 first against two biases: 5% of the mass moved from the
+    likeliest sequence to the second, and 2% moved to the rarest tested one."""
+    keys = sorted(cells, key=cells.get, reverse=True)
+    expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
+    total = CALLS * PER_CALL
+    assert power(expected_p, total, 0.05, 1) >= 0.9 and power(expected_p, total, 0.02, len(keys) - 1) >= 0.9
+    counts, other, accepted = dict.fromkeys(keys, 0), 0, 0
+    for seed in range(CALLS):
+        for completion in llm.generate([prompt], params(seed), spec, use_tqdm=False)[0].outputs:
+            key = tuple(completion.token_ids[:LENGTH])
+            if key in counts:
+                counts[key] += 1
+            else:
+                other += 1
+        accepted += llm.last_stats.accepted_tokens
+    assert accepted > 0.2 * total, "too few accepted drafts for the test to exercise verification"
+    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
+
+
+COMBINATIONS = [(d, s, scheme) for d in DRAFTERS for s in (False, True) for scheme in NAMES]
+
+
+@pytest.mark.parametrize("drafter,sampled,scheme", COMBINATIONS,
+                         ids=[f"{d}-{'sampled' if s else 'copied'}-{scheme}" for d, s, scheme in COMBINATIONS])
+def test_every_configuration_is_exact_or_refused(successor, drafter, sampled, scheme):
+    llm, prompt, cells = successor
+    plain = None
+    for shape in SHAPES:
+        spec = configure(drafter, sampled, scheme, shape)
+        if isinstance(spec, ValueError):
+            assert any(name in str(spec) for name in ("scheme=", "drafter=", "sampled_drafts"))
+            continue
+        before = llm.last_stats
+        try:
+            spec.check_temperature(TEMPERATURE)
+        except ValueError:
+            with pytest.raises(ValueError, match="temperature"):
+                llm.generate([prompt], params(0, n=4), spec, use_tqdm=False)
+            assert llm.last_stats is before  # refused before the engine ran
+            continue
+        if spec.speculates and resolve(scheme, spec.draft_law, TEMPERATURE).needs_q:
+            assert_first_tokens_follow_the_law(llm, prompt, cells, spec)
+            continue
+        if plain is None:
+            plain = [c.token_ids for c in llm.generate([prompt], params(7, n=200), SpecConfig(), use_tqdm=False)[0].outputs]
+        got = [c.token_ids for c in llm.generate([prompt], params(7, n=200), spec, use_tqdm=False)[0].outputs]
+        if spec.speculates:
+            assert llm.last_stats.accepted_tokens > 0
+        assert got == plain
+
+
+def test_the_walk_refuses_exactly_the_inexact_pairings():
+    """What the walk above must see refused, written out from the schemes' assumptions: a rule that
+    reads q cannot verify copied drafts; without replacement and single-draft rules do not fit
+    consensus's i.i.d. forks; greedy acceptance is for temperature 0; prompt lookup has nothing to
+    sample from. Everything else runs."""
+    refused = set()
+    for drafter, sampled, scheme in COMBINATIONS:
+        for shape in SHAPES:
+            spec = configure(drafter, sampled, scheme, shape)
+            if isinstance(spec, SpecConfig):
+                try:
+                    spec.check_temperature(TEMPERATURE)
+                    continue
+                except ValueError:
+                    pass
+            refused.add((drafter, sampled, scheme, shape))
+    q_rules = {"single", "specinfer", "without_replacement", "spectr", "canonical_lp", "canonical_wis"}
+    want = set()
+    for drafter, sampled, scheme in COMBINATIONS:
+        for shape in SHAPES:
+            copied = drafter in ("consensus", "ngram") and not sampled
+            wide = SHAPES[shape][1] // SHAPES[shape][0] > 1
+            if (scheme == "greedy" or (drafter == "ngram" and sampled) or (copied and scheme in q_rules)
+                    or (drafter == "consensus" and sampled and wide and scheme in ("single", "without_replacement"))):
+                want.add((drafter, sampled, scheme, shape))
+    assert refused == want
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_greedy_scheme_at_temperature_zero_is_greedy_decoding(successor, sampled):
+    llm, prompt, _ = successor
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    # The prompt, its greedy continuation and the prompt again: the continuation is there to draft.
+    prompt = prompt + llm.generate([prompt], greedy, SpecConfig(), use_tqdm=False)[0].outputs[0].token_ids + prompt
+    plain = llm.generate([prompt], greedy, SpecConfig(), use_tqdm=False)[0]
+    spec = SpecConfig(drafter="consensus", sampled_drafts=sampled, scheme="greedy", max_draft_tokens=3,
+                      max_draft_nodes=3, adaptive=False)
+    out = llm.generate([prompt], greedy, spec, use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 0
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]

@@ -1,0 +1,114 @@
+"""Seeds keyed by position: the same seed gives the same samples, with or without speculation.
+
+Sample i's token at output position t is drawn with random numbers keyed by (request seed, i, t),
+so with drafts that carry no distribution (copied text) the token at every position is y ~ p drawn
+with that position's own numbers whatever was drafted: a seeded speculative run must return the
+seeded plain run's token ids exactly, at any temperature, whatever the batch, the admission order
+and the draft budget did. This is a far stronger check of losslessness than a distribution test:
+any wrong probability row, wrong walk or wrong commit changes some token. Runs in float32 on the
+default model; a position may differ only where its draw falls on a numerical tie
+(``tests.helpers.NEAR_TIE``), which two batch shapes can round either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from multispec import SamplingParams, SpecConfig
+from multispec.engine.kv_cache import kv_bytes_per_token
+from multispec.reasoning import load_gsm8k
+from tests.helpers import assert_same_sampled_tokens
+
+TEMPERATURE = 0.7
+SEED = 1005
+
+# Every configuration whose drafts carry no distribution, or whose scheme ignores it: both
+# batching modes, trees, the first-match ablation, prompt lookup and the adaptive budget (which
+# reacts to measured timings, so its drafts differ from run to run).
+DRAFT_INVARIANT = {
+    "consensus": SpecConfig(drafter="consensus", adaptive=False),
+    "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False, adaptive=False),
+    "consensus-tree": SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=8, adaptive=False),
+    "consensus-padded": SpecConfig(drafter="consensus", batching="padded", adaptive=False),
+    "consensus-auto": SpecConfig(drafter="consensus"),
+    "consensus-sampled-deterministic": SpecConfig(drafter="consensus", sampled_drafts=True, scheme="deterministic",
+                                                  max_draft_tokens=3, max_draft_nodes=6, adaptive=False),
+    "ngram": SpecConfig(drafter="ngram", adaptive=False),
+    "ngram-padded": SpecConfig(drafter="ngram", batching="padded", adaptive=False),
+    "ngram-auto": SpecConfig(drafter="ngram"),
+}
+
+
+def assert_same_samples(llm, got, want, seed: int, temperature: float = TEMPERATURE):
+    for out, ref in zip(got, want, strict=True):
+        assert len(out.outputs) == len(ref.outputs)
+        for completion, reference in zip(out.outputs, ref.outputs):
+            assert_same_sampled_tokens(llm, ref.prompt_token_ids, completion.token_ids, reference.token_ids, seed,
+                                       reference.index, temperature)
+
+
+@pytest.fixture(scope="module")
+def plain_gsm8k(llm):
+    conversations = [p.chat() for p in load_gsm8k(limit=2)]
+    params = SamplingParams(n=4, temperature=TEMPERATURE, max_tokens=32, seed=SEED)
+    return conversations, params, llm.chat(conversations, params, SpecConfig())
+
+
+@pytest.mark.parametrize("name", sorted(DRAFT_INVARIANT))
+def test_seeded_speculation_repeats_seeded_plain_sampling(llm, plain_gsm8k, name):
+    conversations, params, plain = plain_gsm8k
+    outputs = llm.chat(conversations, params, DRAFT_INVARIANT[name])
+    stats = llm.last_stats
+    assert stats.drafted_tokens > 0
+    if not DRAFT_INVARIANT[name].adaptive:  # drafts were really accepted, not only proposed
+        assert stats.accepted_tokens > 0.05 * stats.generated_tokens
+    assert_same_samples(llm, outputs, plain, SEED)
+
+
+def test_seeded_request_does_not_depend_on_its_batch(llm):
+    """GSM8K test question 715, n = 16: alone, batched with question 711 (before and after it),
+    and with speculation in the batch, the 16 samples are the same; the other request's samples
+    finish at other steps, which is where a shared random stream used to part."""
+    question, other = (load_gsm8k(limit=1, offset=i)[0].chat() for i in (715, 711))
+    params = SamplingParams(n=16, temperature=TEMPERATURE, max_tokens=40, seed=SEED)
+    other_params = SamplingParams(n=8, temperature=1.0, max_tokens=30, seed=3)
+    alone = llm.chat([question], params, SpecConfig())
+    after = llm.chat([other, question], [other_params, params], SpecConfig())[1:]
+    before = llm.chat([question, other], [params, other_params], SpecConfig(drafter="consensus"))[:1]
+    assert_same_samples(llm, after, alone, SEED)
+    assert_same_samples(llm, before, alone, SEED)
+
+
+def test_admission_order_does_not_change_seeded_samples(llm):
+    """Four questions in one call, with the KV cache capped so they queue and are admitted as
+    samples finish, and uncapped: every request's samples are the same."""
+    conversations = [p.chat() for p in load_gsm8k(limit=4, offset=20)]
+    params = [SamplingParams(n=6, temperature=TEMPERATURE, max_tokens=24, seed=SEED + i) for i in range(4)]
+    free = llm.chat(conversations, params, SpecConfig())
+    spec = SpecConfig(drafter="consensus")
+    prompts = [out.prompt_token_ids for out in free]
+    one = llm.engine.plan_cache(llm.engine.make_requests(prompts[:1], params[:1], [None]), spec).tokens()
+    saved = llm.engine.config.kv_cache_bytes
+    try:  # room for one request and a half: they queue
+        llm.engine.config.kv_cache_bytes = int(1.5 * one * kv_bytes_per_token(llm.config, llm.engine.dtype))
+        queued = llm.chat(conversations, params, spec)
+        assert llm.last_stats.prefill_forwards >= 3
+    finally:
+        llm.engine.config.kv_cache_bytes = saved
+    for i, (got, want) in enumerate(zip(queued, free)):
+        assert_same_samples(llm, [got], [want], SEED + i)
+
+
+def test_sampled_drafts_are_reproducible_and_batch_independent(llm):
+    """Sampled drafts need more random numbers (the draws of the drafts, the accept tests), keyed
+    the same way: with a fixed draft shape the same seed gives the same samples run to run and
+    whatever shares the batch."""
+    conversations = [p.chat() for p in load_gsm8k(limit=2, offset=40)]
+    spec = SpecConfig(drafter="consensus", sampled_drafts=True, max_draft_tokens=3, max_draft_nodes=6, adaptive=False)
+    params = SamplingParams(n=6, temperature=1.0, max_tokens=24, seed=SEED)
+    first = llm.chat(conversations[:1], params, spec)
+    assert llm.last_stats.accepted_tokens > 0
+    again = llm.chat(conversations[:1], params, spec)
+    batched = llm.chat(conversations, [params, SamplingParams(n=5, temperature=0.8, max_tokens=20, seed=1)], spec)[:1]
+    for other in (again, batched):
+        assert_same_samples(llm, other, first, SEED, temperature=1.0)
