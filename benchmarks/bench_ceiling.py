@@ -10,9 +10,9 @@ cells (one question x n for the "one at a time" cells, all questions at once for
 ones). One generation per cell and repetition: plain steps until every sample has ``--context``
 tokens (mid-way through a 256-token answer, so the caches are as full as on an average step of
 ``bench_spec.py``), then steps that cycle through the draft lengths, every sample drafting the
-same L-token chain of filler, each timed from its drafting to the next step's (forward,
-verification, commit and the loop around them). Filler (the end-of-text token, which a chat
-model rarely samples mid-answer; the progress lines count how often it was accepted) costs nothing
+same L-token chain of filler, each step timed by the engine's step report (drafting, forward,
+verification, commit). Filler (the end-of-text token, which a chat model rarely samples
+mid-answer; the progress lines count how often it was accepted) costs nothing
 to draft; a real draft adds its drafting time and, where accepted, the cache moves of its path,
 so real steps cost at least this much.
 
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from multispec.drafters import DraftTree, NoDrafter
+from multispec.verify.schemes import COPIED, DraftLaw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -58,65 +59,81 @@ FILLER = 0
 
 
 class FillerDrafter(NoDrafter):
-    """Times steps of every draft length at one context: ``warm`` plain steps first (the samples'
-    caches fill to a mid-generation length), then steps that cycle through ``lengths``, every sample
-    drafting the same L-token chain of filler. The cost side of speculation alone."""
+    """Drafts for timing only: ``warm`` plain steps first (the samples' caches fill to a
+    mid-generation length), then steps that cycle through ``lengths``, every sample drafting the
+    same L-token chain of filler. The engine builds it from the registry (``DRAFTERS["filler"]``)
+    and tells it each step through a step observer (``observe_step``), which keeps the seconds of
+    each timed step: the whole step but the bookkeeping between steps (drafting, forward,
+    verification, commit). The cost side of speculation alone."""
 
-    def __init__(self, lengths: list[int], warm: int):
+    lengths: list[int] = [0]
+    warm = 0
+    current: "FillerDrafter | None" = None
+
+    def __init__(self):
         self.trees = {L: DraftTree([FILLER] * L, list(range(-1, L - 1)), None) if L else DraftTree.EMPTY
-                      for L in lengths}
-        self.empty = DraftTree.EMPTY
-        self.lengths, self.warm = lengths, warm
-        self.clock = time.perf_counter
-        self.starts: list[tuple[float, int | None]] = []
-        """When each step asked for drafts, and the draft length it got (None: not timed)."""
+                      for L in self.lengths}
+        self.step = 0
+        self.spans: dict[int, list[float]] = {}
+
+    @classmethod
+    def create(cls, **options) -> "FillerDrafter":
+        cls.current = cls()
+        return cls.current
+
+    @staticmethod
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw:
+        return DraftLaw(COPIED, 1)
+
+    def length(self) -> int:
+        step = self.step - self.warm
+        return 0 if step < 0 else self.lengths[step % len(self.lengths)]
 
     def propose(self, sample_ids, budgets, uniforms=None):
-        step = len(self.starts) - self.warm
-        length = 0 if step < 0 else self.lengths[step % len(self.lengths)]
-        timed = step >= 0 and all(budget >= length for budget in budgets)
-        self.starts.append((self.clock(), length if timed else None))
-        return [self.trees[length] if budget >= length else self.empty for budget in budgets]
+        length = self.length()
+        return [self.trees[length] if budget >= length else DraftTree.EMPTY for budget in budgets]
+
+    def observe_step(self, report) -> None:
+        """One decode step done (a ``StepReport``): timed if every sample drafted the full chain."""
+        length = self.length()
+        timed = self.step >= self.warm and all(len(tree) == length for tree in report.trees)
+        self.step += 1
+        if timed:
+            self.spans.setdefault(length, []).append(
+                report.time_draft + report.time_forward + report.time_verify + report.time_commit)
 
     def step_seconds(self) -> dict[int, float]:
-        """Per draft length, the mean time from a step's drafting to the next step's: forward,
-        verification, commit and the loop around them."""
-        spans: dict[int, list[float]] = {}
-        for (start, length), (end, _) in zip(self.starts, self.starts[1:]):
-            if length is not None:
-                spans.setdefault(length, []).append(end - start)
-        return {length: statistics.mean(values) for length, values in spans.items()}
+        """Per draft length, the mean seconds of its timed steps."""
+        return {length: statistics.mean(values) for length, values in self.spans.items()}
 
 
 def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int, per_length: int,
                device: str) -> dict:
     """{(cell, L): [seconds per step, one per repeat]}, ``context`` tokens into every sample."""
-    import multispec.engine.llm_engine as llm_engine
     from multispec import LLM, SamplingParams, SpecConfig
+    from multispec.drafters import DRAFTERS
     from multispec.reasoning import load_gsm8k
 
     llm = LLM(device=device)
     conversations = [p.chat() for p in load_gsm8k(limit=8)]
-    made = llm_engine.make_drafter
     deepest = max(lengths)
     accepted: dict[str, tuple[int, int]] = {}
+    DRAFTERS["filler"] = FillerDrafter
+    llm.engine.step_observers.append(lambda report: FillerDrafter.current.observe_step(report))
 
     def run(cell: str, order: list[int], warm: int, seed: int) -> dict[int, float]:
         questions, n = CELLS[cell]
-        drafter = FillerDrafter(order, warm)
-        llm_engine.make_drafter = lambda kind, **kw: drafter
-        try:
-            spec = SpecConfig(drafter="ngram", max_draft_tokens=max(deepest, 1), max_draft_nodes=max(deepest, 1),
-                              adaptive=False)
-            # Filler is almost never accepted, so a sample gains one token a step: room for the
-            # plain steps, the timed ones and a whole chain at the last of them.
-            steps = warm + per_length * len(order)
-            params = SamplingParams(n=n, temperature=0.7, max_tokens=steps + deepest + 2, ignore_eos=True, seed=seed)
-            llm.chat(conversations[:questions], params, spec, use_tqdm=False)
-        finally:
-            llm_engine.make_drafter = made
+        FillerDrafter.lengths, FillerDrafter.warm = order, warm
+        llm.engine.lanes.clear()  # a fresh drafter (and its step count) for every run
+        spec = SpecConfig(drafter="filler", max_draft_tokens=max(deepest, 1), max_draft_nodes=max(deepest, 1),
+                          adaptive=False)
+        # Filler is almost never accepted, so a sample gains one token a step: room for the
+        # plain steps, the timed ones and a whole chain at the last of them.
+        steps = warm + per_length * len(order)
+        params = SamplingParams(n=n, temperature=0.7, max_tokens=steps + deepest + 2, ignore_eos=True, seed=seed)
+        llm.chat(conversations[:questions], params, spec, use_tqdm=False)
         accepted[cell] = (llm.last_stats.accepted_tokens, llm.last_stats.drafted_tokens)
-        return drafter.step_seconds()
+        return FillerDrafter.current.step_seconds()
 
     run(cells[0], lengths, 4, 0)  # warm-up: first-call allocations and kernel selection
     costs: dict[tuple[str, int], list[float]] = {}

@@ -40,15 +40,16 @@ RECORDED_ALTERNATIVES = 8
 def record(questions: int, n: int, temperature: float, max_tokens: int, seed: int) -> list[dict]:
     """Plain samples with their target probabilities and most likely tokens:
     [{prompt, samples: [{tokens, probs, alternatives: [[tokens, probs], ...]}]}]."""
-    import multispec.engine.llm_engine as llm_engine
     from multispec import LLM, SamplingParams, SpecConfig
-    from multispec.drafters import NoDrafter
+    from multispec.drafters import DRAFTERS, NoDrafter
     from multispec.reasoning import load_gsm8k
 
     groups: dict[int, dict] = {}
     owner: dict[int, dict] = {}
 
     class Recorder(NoDrafter):
+        """Drafts nothing; keeps what the engine tells a drafter (registered for this run only)."""
+
         alternatives = RECORDED_ALTERNATIVES
 
         def add_group(self, group_id, prompt_ids, sample_ids):
@@ -63,15 +64,14 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
             entry["probs"].extend(token_probs if token_probs is not None else [-1.0] * len(new_tokens))
             entry["alternatives"].extend(alternatives if alternatives is not None else [None] * len(new_tokens))
 
-    made = llm_engine.make_drafter
-    llm_engine.make_drafter = lambda kind, **kw: Recorder() if kind == "none" else made(kind, **kw)
+    DRAFTERS["recorder"] = Recorder
     try:
         llm = LLM()
         conversations = [p.chat() for p in load_gsm8k(limit=questions)]
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
-        llm.chat(conversations, params, SpecConfig(drafter="none"), use_tqdm=False)
+        llm.chat(conversations, params, SpecConfig(drafter="recorder"), use_tqdm=False)
     finally:
-        llm_engine.make_drafter = made
+        del DRAFTERS["recorder"]
     return [groups[k] for k in sorted(groups)]
 
 

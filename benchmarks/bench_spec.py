@@ -1,4 +1,4 @@
-"""Speculative multi-sample decoding on GSM8K: tau and wall-clock speedup per drafter, padded vs unpadded.
+"""Speculative multi-sample decoding on GSM8K: tau and wall-clock speedup per drafter.
 
 Default model, GSM8K test questions in the chat template, max_tokens 256. Every ratio compares
 runs of one process on the same questions and seeds (drafter "none" is the same engine without
@@ -7,7 +7,6 @@ drafts). Rows per cell:
 - none, consensus, consensus-first-match (aggregation off), ngram (prompt lookup): drafts of up to
   ``--depth`` tokens every step (``adaptive=False``), so tau measures the drafter itself;
 - consensus-auto: the default, draft length chosen per step from measured cost and acceptance;
-- consensus-padded: the padded-batching ablation (n = 16 and 64);
 - consensus-1 (only with ``--rows``): every sample drafts its one likeliest token every step, the
   simplest fixed policy, to hold the budget's choices against.
 
@@ -45,16 +44,16 @@ ALL = ("none", "consensus", "consensus-first-match", "ngram", "consensus-auto")
 MEDIAN = ("none", "consensus-auto")
 """Rows of the headline cell's further runs: the wall-clock comparison (tau barely moves between runs)."""
 SMALL = ("none", "consensus", "ngram", "consensus-auto")
-ROWS = ALL + ("consensus-padded", "consensus-1")
+ROWS = ALL + ("consensus-1",)
 FULL_CELLS = [  # (questions, n, temperature, rows of the first run, rows of each further run, one at a time)
     (8, 4, 0.7, ALL, [], False),
-    (8, 16, 0.7, ALL + ("consensus-padded",), [MEDIAN, MEDIAN], False),
-    (4, 64, 0.7, ("none", "consensus", "consensus-auto", "consensus-padded"), [], False),
+    (8, 16, 0.7, ALL, [MEDIAN, MEDIAN], False),
+    (4, 64, 0.7, ("none", "consensus", "consensus-auto"), [], False),
     (8, 16, 1.0, SMALL, [], False),
     (4, 4, 0.7, SMALL, [], True),
     (2, 16, 0.7, SMALL, [], True),
 ]
-QUICK_CELLS = [(2, 4, 0.7, ALL, [], False), (2, 16, 0.7, ALL + ("consensus-padded",), [], False),
+QUICK_CELLS = [(2, 4, 0.7, ALL, [], False), (2, 16, 0.7, ALL, [], False),
                (1, 4, 0.7, SMALL, [], True)]
 
 
@@ -68,7 +67,6 @@ def configs(depth: int, labels, nodes: int | None = None):
              "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False, **fixed),
              "ngram": SpecConfig(drafter="ngram", **fixed),
              "consensus-auto": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=nodes),
-             "consensus-padded": SpecConfig(drafter="consensus", batching="padded", **fixed),
              "consensus-1": SpecConfig(drafter="consensus", max_draft_tokens=1, max_draft_nodes=1, adaptive=False)}
     return [(label, specs[label]) for label in labels]
 
@@ -85,8 +83,7 @@ def chat_stats(llm, conversations, params, spec, one_at_a_time: bool):
     for conversation in conversations:
         llm.chat([conversation], params, spec, use_tqdm=False)
         for f in dataclasses.fields(RunStats):
-            if f.name != "extra":
-                setattr(total, f.name, getattr(total, f.name) + getattr(llm.last_stats, f.name))
+            setattr(total, f.name, getattr(total, f.name) + getattr(llm.last_stats, f.name))
     return total
 
 
@@ -227,10 +224,6 @@ def main() -> None:
                   f"{r['draft_share']:.1%} |")
     for cell in table:
         rows = cell["rows"]
-        if "consensus-padded" in rows and "consensus" in rows:
-            print(f"{cell_name(cell)}, T {cell['temperature']}: unpadded / padded "
-                  f"{rows['consensus']['tok_s_runs'][0] / rows['consensus-padded']['tok_s_runs'][0]:.2f}x "
-                  "(same fixed drafts, same run)")
         if "ngram" in rows and "consensus" in rows:
             print(f"{cell_name(cell)}, T {cell['temperature']}: consensus tau / ngram tau "
                   f"{rows['consensus']['tau_runs'][0] / rows['ngram']['tau_runs'][0]:.2f}x (same run)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (about 12 minutes on one data-centre GPU):
-#   1. the engine's tests on the GPU: device placement, greedy ids equal to the CPU's, seeded
-#      sampling reproducible, and the lossless-decoding tests (tests/engine/test_speculative.py);
-#   2. forward time per step shape at 16 and 64 samples (benchmarks/bench_layout.py);
+#   1. the engine's tests on the GPU: device placement, greedy ids and seeded samples equal to the
+#      CPU's, and the lossless-decoding tests (tests/engine/test_speculative.py, test_reproducible.py);
+#   2. forward time per step shape at 16 and 64 samples (experiments/layout.py);
 #   3. the speedup speculation could reach there at all (benchmarks/bench_ceiling.py: step cost
 #      per draft length in every cell, against perfect, target-greedy and consensus drafts);
 #   4. the speculative decoding benchmark on the GPU (benchmarks/bench_spec.py), as many of its
@@ -25,11 +25,12 @@ print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))
 status=0
 echo "== tests on cuda"
 MULTISPEC_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_device.py tests/engine/test_speculative.py 2>&1 | tee "$RESULTS/tests.log" || status=1
+    tests/test_device.py tests/engine/test_speculative.py tests/engine/test_reproducible.py 2>&1 \
+    | tee "$RESULTS/tests.log" || status=1
 
 echo "== forward time per step shape"
 for batch in 16 64; do
-    timeout 120 "$PY" benchmarks/bench_layout.py --device cuda --batch "$batch" --repeats 10 \
+    timeout 120 "$PY" experiments/layout.py --device cuda --batch "$batch" --repeats 10 \
         2>&1 | tee "$RESULTS/layout_$batch.txt" || status=1
 done
 

@@ -1,8 +1,10 @@
 """multispec: fast multi-sample generation with sibling-drafted, lossless speculative decoding."""
 
-from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig
+from multispec.params import (CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, RunStats,
+                              SamplingParams, SpecConfig)
 
-__all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "RunStats"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "SpecConfig", "RequestOutput", "RequestOutputKind",
+           "RequestMetrics", "CompletionOutput", "RunStats"]
 __version__ = "0.1.0"
 
 
@@ -11,4 +13,8 @@ def __getattr__(name):
         from multispec.api import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from multispec.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import os
 import time
@@ -10,12 +12,17 @@ from typing import Sequence
 
 import torch
 
-from multispec.engine.llm_engine import GIB, Engine, EngineConfig
+from multispec.engine.cache import GIB
+from multispec.engine.engine import EngineConfig, LLMEngine
+from multispec.engine.request import Request
 from multispec.models import DEFAULT_MODEL, load_checkpoint, resolve_model
 from multispec.models.llama import LlamaForCausalLM
-from multispec.params import CompletionOutput, RequestOutput, RunStats, SamplingParams, SpecConfig, check_bool
+from multispec.params import (CompletionOutput, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
+                              check_bool)
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "RunStats"]
+
+log = logging.getLogger("multispec")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,11 +32,12 @@ class LLM:
 
     ``model`` is a registered name (default ``smollm2-135m-instruct``), a Hugging Face checkpoint
     directory or a ``.gguf`` file. ``spec`` is the default speculation setting of every
-    ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` caps the KV cache in GiB;
-    a request that cannot fit is refused before anything is allocated, and requests that fit
-    only one after another wait for their turn. ``device``: where the weights, the KV cache and
-    verification live ("auto": the first CUDA GPU if there is one, else the CPU); drafting
-    always runs on the CPU.
+    ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` (GiB) is the KV cache,
+    reserved once here and touched only as slots are used; a request that cannot fit even alone
+    is refused before it runs, and requests that fit only one after another wait for their turn.
+    ``device``: where the weights, the KV cache and verification live ("auto": the first CUDA GPU
+    if there is one, else the CPU); drafting always runs on the CPU. ``engine`` is the
+    ``LLMEngine`` every call steps.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", kv_cache_memory: float = 4.0,
@@ -57,10 +65,11 @@ class LLM:
         limit = checkpoint.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
-        engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB))
-        self.engine = Engine(self.model, self.tokenizer, engine_config)
         self.spec = spec or SpecConfig()
+        engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB))
+        self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
+        self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -68,9 +77,12 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  spec: SpecConfig | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate ``n`` completions per prompt; prompts are text or token ids.
+        """Generate ``n`` completions per prompt; prompts are text or token ids. Every request is
+        checked before any is queued; the engine then steps until all are finished.
 
-        Run counters and timings (forwards, tau, acceptance, time split) land in ``last_stats``.
+        Run counters and timings (forwards, tau, acceptance, time split) land in ``last_stats``. A
+        request that failed on its own (``RequestOutput.error``) is returned as it ended, with a
+        warning; the others are complete.
         """
         texts, token_ids = self._prompts(prompts)
         if sampling_params is None:
@@ -87,14 +99,43 @@ class LLM:
         _check_spec(spec)
         check_bool("use_tqdm", use_tqdm)
         spec = spec or self.spec
-        requests = self.engine.make_requests(token_ids, params, texts)
-        self.engine.check_spec(requests, spec)
-        progress = _Progress(sum(p.n for p in params), enabled=use_tqdm)
+        requests = [self.engine.make_request(f"generate-{next(self._ids)}", ids, sp, spec, prompt=text,
+                                             output_kind=RequestOutputKind.FINAL_ONLY, name=f"prompt {i}")
+                    for i, (ids, sp, text) in enumerate(zip(token_ids, params, texts))]
+        for request in requests:
+            self.engine.enqueue(request)
+        return self._run(requests, use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every one of ``requests`` is finished; their outputs in order."""
+        engine = self.engine
+        position = {r.request_id: i for i, r in enumerate(requests)}
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        left = len(requests)
+        progress = _Progress(sum(r.n for r in requests), enabled=use_tqdm)
+        before = engine.stats.copy()
+        start = time.perf_counter()
         try:
-            outputs, stats = self.engine.generate(requests, spec, on_step=progress.update)
+            while left:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine has no work left but requests are unanswered")
+                tokens, finished = engine.stats.generated_tokens, engine.stats.finished_samples
+                for out in engine.step():
+                    i = position.get(out.request_id)
+                    if i is not None and outputs[i] is None:
+                        outputs[i] = out
+                        left -= 1
+                progress.update(engine.stats.generated_tokens - tokens, engine.stats.finished_samples - finished)
         finally:
             progress.close()
-        self.last_stats = stats
+            for request, out in zip(requests, outputs):
+                if out is None:
+                    engine.abort(request.request_id)
+        self.last_stats = engine.stats.since(before)
+        self.last_stats.time_total = time.perf_counter() - start
+        for i, out in enumerate(outputs):
+            if out.error:
+                log.warning("request %d failed: %s", i, out.error)
         return outputs
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from multispec.drafters import DRAFTERS
-from multispec.params import BATCHING, SamplingParams, SpecConfig
+from multispec.params import SamplingParams, SpecConfig
 from multispec.verify.schemes import NAMES as SCHEMES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -50,7 +50,6 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
     parser.add_argument("--scheme", default="auto", choices=SCHEMES)
     parser.add_argument("--sampled-drafts", action="store_true", help="sample drafts and verify with multi-draft schemes")
     parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
-    parser.add_argument("--batching", default="unpadded", choices=BATCHING)
 
 
 def _sampling(args) -> SamplingParams:
@@ -61,7 +60,7 @@ def _sampling(args) -> SamplingParams:
 def _spec(args) -> SpecConfig:
     return SpecConfig(drafter=args.drafter, max_draft_tokens=args.max_draft_tokens,
                       max_draft_nodes=args.max_draft_nodes, scheme=args.scheme, sampled_drafts=args.sampled_drafts,
-                      aggregate=not args.no_aggregate, batching=args.batching)
+                      aggregate=not args.no_aggregate)
 
 
 def _llm(args):
@@ -164,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first run the same job with plain decoding and print the speedup")
     gsm.set_defaults(func=cmd_gsm8k)
 
-    from multispec.verify import analysis
+    from multispec import analysis
 
     ana = sub.add_parser("analyze-verify", help="expected acceptance of every verification scheme")
     analysis.add_arguments(ana)

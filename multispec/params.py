@@ -9,10 +9,10 @@ taken for its truth value).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
+from enum import Enum
 from numbers import Integral, Real
 
-BATCHING = ("unpadded", "padded")
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as in vLLM): a smaller one would overflow the softmax."""
 SEED_RANGE = (-(1 << 63), 1 << 64)
@@ -109,8 +109,7 @@ class SpecConfig:
     (a chain when the two are equal and the drafter proposes one branch). ``scheme`` picks the
     verification rule ("auto": greedy at temperature 0, deterministic for unsampled drafts,
     the canonical decomposition for sampled ones); a scheme that is not exact for the drafter's
-    drafts is refused (see ``multispec.verify.schemes``). ``batching="padded"`` is the ablation
-    that pads every sample to the batch's longest draft and acceptance. ``adaptive`` lets each step
+    drafts is refused (see ``multispec.verify.schemes``). ``adaptive`` lets each step
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
     """
@@ -121,7 +120,6 @@ class SpecConfig:
     scheme: str = "auto"
     sampled_drafts: bool = False
     aggregate: bool = True
-    batching: str = "unpadded"
     max_ngram: int = 4
     min_ngram: int = 1
     max_batch_tokens: int | None = None
@@ -138,7 +136,6 @@ class SpecConfig:
 
         check_choice("drafter", self.drafter, tuple(DRAFTERS))
         check_choice("scheme", self.scheme, NAMES)
-        check_choice("batching", self.batching, BATCHING)
         for name in ("max_draft_tokens", "max_draft_nodes"):
             check_int(name, getattr(self, name), 0)
         for name in ("sampled_drafts", "aggregate", "adaptive"):
@@ -168,37 +165,84 @@ class SpecConfig:
         check_drafts(self.scheme, self.draft_law, temperature, drafter=self.drafter)
 
 
+class RequestOutputKind(str, Enum):
+    """What ``LLMEngine.step`` reports for a request (vLLM's names): every sample's output so far
+    each time it changes (``CUMULATIVE``, the default), only what is new since the last report
+    (``DELTA``, for streaming), or nothing until the request is finished (``FINAL_ONLY``)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class CompletionOutput:
-    """One sample: its text, token ids, summed log-probability and why it stopped."""
+    """One sample: its text, token ids, summed log-probability and why it stopped.
+
+    ``finish_reason``: None while the sample runs, then "stop" (an end token, a stop token or a
+    stop string), "length" (``max_tokens`` or the context window) or "abort"; ``stop_reason`` is
+    the stop string or stop token id that ended it (None for the model's end token)."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float
-    finish_reason: str
+    finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """One request's timeline (``time.monotonic`` seconds) and speculation figures."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    decode_steps: int = 0
+    sample_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a sample of this request gained per target forward."""
+        return (self.accepted_tokens + self.sample_steps) / self.sample_steps if self.sample_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass
 class RequestOutput:
-    """One prompt's n completions."""
+    """One prompt's n completions (all of them, or in delta mode those that changed).
+
+    ``finished`` once every sample is done; ``error`` says why the request failed, if it did (its
+    samples then end with finish_reason "abort"; other requests are not affected)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    error: str | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass
 class RunStats:
-    """Counters and timings of one ``generate`` call; the basis of every speed figure."""
+    """Counters and timings of the engine (running totals) or of one ``generate`` call (their
+    difference over the call); the basis of every speed figure."""
 
     prefill_forwards: int = 0
     decode_forwards: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    finished_samples: int = 0
     sample_steps: int = 0
     forward_tokens: int = 0
     drafted_tokens: int = 0
@@ -209,7 +253,13 @@ class RunStats:
     time_verify: float = 0.0
     time_commit: float = 0.0
     time_total: float = 0.0
-    extra: dict = field(default_factory=dict)
+
+    def since(self, earlier: RunStats) -> RunStats:
+        """What was counted after ``earlier`` (a copy of these totals taken before)."""
+        return RunStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def copy(self) -> RunStats:
+        return replace(self)
 
     @property
     def tau(self) -> float:

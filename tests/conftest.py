@@ -20,3 +20,22 @@ def llm():
     from multispec import LLM
 
     return LLM(device=os.environ.get("MULTISPEC_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture(scope="session")
+def successor_dir(tmp_path_factory):
+    """The tiny successor checkpoint (``tests.tiny_models``), written once per session."""
+    from tests.tiny_models import write_successor_model
+
+    directory = tmp_path_factory.mktemp("successor")
+    write_successor_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny(successor_dir):
+    """The tiny successor model on the CPU: engine behaviour that needs many steps or samples at
+    microseconds a forward (context window 256, vocabulary 400)."""
+    from multispec import LLM
+
+    return LLM(str(successor_dir), device="cpu")

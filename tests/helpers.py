@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import torch
 
-from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, PrefillAttention, StepLayout
+from multispec.engine.attention import DecodeAttention, PrefillAttention, StepLayout
+from multispec.engine.cache import CacheShape, KVCache
 from multispec.engine.sampler import target_probs
 from multispec.verify.sampling import TOKEN, PositionKeys, sample_key
 
 
 def new_cache(model, samples: int = 4, capacity: int = 64, prompts: int = 2, prompt_capacity: int = 128) -> KVCache:
+    """A cache laid out with every slot ready; the tests address slots by number."""
     weight = model.output_weight()
-    return KVCache(model.config, CacheShape(samples, capacity, prompts, prompt_capacity), weight.dtype, weight.device)
+    shape = CacheShape(samples, capacity, prompts, prompt_capacity)
+    cache = KVCache(model.config, shape.tokens(), weight.dtype, weight.device)
+    cache.layout(shape)
+    cache.ready_sample_slots(0, samples)
+    for _ in range(prompts):
+        cache.take_prompt_slot()
+    return cache
 
 
 def prefill(model, cache: KVCache, prompt: list[int], slot: int = 0) -> torch.Tensor:
@@ -35,8 +43,9 @@ def tree_mask_of(parents_per_sample: list[list[int]]) -> torch.Tensor:
 
 
 def step(model, cache: KVCache, roots: list[int], trees: list[tuple[list[int], list[int]]], cached: list[int],
-         prompt_slots: list[int], prompt_lens: list[int]) -> list[torch.Tensor]:
-    """One packed decode step; sample b sits in cache slot b. Returns each sample's logits rows."""
+         prompt_slots: list[int], prompt_lens: list[int], split: bool | None = None) -> list[torch.Tensor]:
+    """One packed decode step; sample b sits in cache slot b. Returns each sample's logits rows.
+    ``split``: the attention layout (see ``DecodeAttention``)."""
     tokens, positions, counts = [], [], []
     for root, (toks, parents), c, plen in zip(roots, trees, cached, prompt_lens):
         depth = [0]
@@ -49,7 +58,7 @@ def step(model, cache: KVCache, roots: list[int], trees: list[tuple[list[int], l
                         torch.tensor(prompt_lens), tree_mask_of([p for _, p in trees]))
     device = model.output_weight().device
     logits = model(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                   DecodeAttention(cache, layout))
+                   DecodeAttention(cache, layout, split))
     return list(logits.cpu().split(counts))
 
 

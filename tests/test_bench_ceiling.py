@@ -32,11 +32,17 @@ def test_split_groups_makes_sibling_groups_of_n():
 
 
 def test_step_timing_cycles_lengths_after_the_plain_steps_and_skips_cut_chains():
-    drafter = bench_ceiling.FillerDrafter([0, 2], warm=2)
-    drafter.clock = iter([0.0, 1.0, 2.0, 3.0, 5.0, 5.5, 7.0, 8.0]).__next__
-    sizes = [[len(tree) for tree in drafter.propose([0, 1], budgets)]
-             for budgets in ([4, 4], [4, 4], [4, 4], [4, 4], [4, 4], [1, 4], [4, 4], [0, 0])]
+    from types import SimpleNamespace
+
+    bench_ceiling.FillerDrafter.lengths, bench_ceiling.FillerDrafter.warm = [0, 2], 2
+    drafter = bench_ceiling.FillerDrafter.create()
+    sizes = []
+    for budgets, seconds in (([4, 4], 9), ([4, 4], 9), ([4, 4], 1), ([4, 4], 2), ([4, 4], 0.5), ([1, 4], 9),
+                             ([4, 4], 1)):
+        trees = drafter.propose([0, 1], budgets)
+        sizes.append([len(tree) for tree in trees])
+        drafter.observe_step(SimpleNamespace(trees=trees, time_draft=0.0, time_forward=seconds, time_verify=0.0,
+                                             time_commit=0.0))
     # Two plain warm-up steps (not timed), then L = 0, 2, 0, 2 (cut short by a budget: not timed), 0.
-    assert sizes == [[0, 0], [0, 0], [0, 0], [2, 2], [0, 0], [0, 2], [0, 0], [0, 0]]
-    # L 0: spans 3-2 = 1, 5.5-5 = 0.5, 8-7 = 1; L 2: span 5-3 = 2.
+    assert sizes == [[0, 0], [0, 0], [0, 0], [2, 2], [0, 0], [0, 2], [0, 0]]
     assert drafter.step_seconds() == {0: 2.5 / 3, 2: 2.0}

@@ -16,7 +16,6 @@ import pytest
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.cli import main
 from multispec.models import resolve_model
-from tests.tiny_models import write_successor_model
 
 SAMPLING_BAD = [
     ("n", 0), ("n", 1.5), ("n", True), ("n", "3"), ("n", None),
@@ -49,7 +48,7 @@ def test_sampling_params_conventions():
 
 SPEC_BAD = [
     ({"drafter": "oracle"}, "drafter='oracle'"), ({"drafter": None}, "drafter=None"),
-    ({"scheme": "magic"}, "scheme='magic'"), ({"batching": "ragged"}, "batching='ragged'"),
+    ({"scheme": "magic"}, "scheme='magic'"),
     ({"max_draft_tokens": -1}, "max_draft_tokens=-1"), ({"max_draft_tokens": "3"}, "max_draft_tokens='3'"),
     ({"max_draft_nodes": 1.5}, "max_draft_nodes=1.5"), ({"max_draft_nodes": True}, "max_draft_nodes=True"),
     ({"sampled_drafts": "yes"}, "sampled_drafts='yes'"), ({"aggregate": "no"}, "aggregate='no'"),
@@ -97,18 +96,17 @@ def test_llm_refuses_bad_arguments_before_loading(options, needle):
         LLM(**options)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny checkpoint (context window 256, vocabulary 400): checks that need the model are cheap."""
-    directory = tmp_path_factory.mktemp("tiny-errors")
-    write_successor_model(directory)
-    return LLM(str(directory), device="cpu")
-
-
-def test_llm_refuses_a_context_window_the_model_lacks(tmp_path_factory, tiny):
+def test_llm_refuses_a_context_window_the_model_lacks(successor_dir):
     for bad in (1, 257):
         with pytest.raises(ValueError, match=re.escape(f"max_model_len={bad}")):
-            LLM(str(tiny.model_name), max_model_len=bad, device="cpu")
+            LLM(str(successor_dir), max_model_len=bad, device="cpu")
+
+
+def test_a_request_that_can_never_fit_the_cache_is_refused_before_it_runs(successor_dir):
+    small = LLM(str(successor_dir), device="cpu", kv_cache_memory=0.0005)  # about 1,000 tokens
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        small.generate([[5, 6]], SamplingParams(n=64, max_tokens=100))
+    assert small.last_stats is None and not small.engine.has_unfinished_requests()
 
 
 GENERATE_BAD = [

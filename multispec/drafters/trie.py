@@ -18,7 +18,7 @@ probability of that token in its own context: the alternatives' probabilities wh
 probability of the token it took, 0 for a token it gives no probability, and ``UNKNOWN_CONFIDENCE``
 for a token it took whose probability nobody computed. A confident source that its siblings
 contradict is usually wrong, and sources that agree are usually right however many of them there
-are. How well it predicts acceptance is measured by ``benchmarks/bench_calibration.py``. The
+are. How well it predicts acceptance is measured by ``experiments/calibration.py``. The
 longest match behind each node is kept as its ``evidence``.
 """
 

@@ -46,7 +46,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.kv_cache import split_step
+from multispec.engine.attention import split_step
 
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99)
 """Calibration bins of the drafter's confidence: finest near 1, where drafting pays on big batches."""
@@ -89,7 +89,8 @@ class Calibration:
     prior each call lets a request sent on its own draft from the drafter's raw confidence until
     its own steps correct it: at 2 x 16 one at a time, in the first 20 steps of a request the
     budget expected 40% more tokens than were accepted, against 5% with the calibration kept
-    (``benchmarks/bench_carry.py``)."""
+    (measured with the default speculation on 2 GSM8K questions x 16 sent one at a time; see
+    docs/results.md)."""
 
     tried: list[float]
     kept: list[float]
@@ -158,13 +159,15 @@ class DraftBudget:
         self.idle += 1
         return False
 
-    def select(self, trees: list[DraftTree], context: int) -> list[DraftTree]:
+    def select(self, trees: list[DraftTree], context: int, others: int = 0) -> list[DraftTree]:
         """Keep, across the whole batch, the draft nodes that maximise expected tokens per second.
 
         ``context``: keys the step's attention reads per query row (longest prompt plus longest
-        sample cache)."""
+        sample cache); ``others``: samples of the step this budget does not draft for (other
+        lanes), each one token of the step's cost and of its gain."""
         self.steps += 1
-        batch = len(trees)
+        own = len(trees)
+        batch = own + others
         candidates = []  # (-chance, depth, sample, node)
         for b, tree in enumerate(trees):
             if not tree.tokens or tree.confidence is None or tree.evidence is None:
@@ -183,7 +186,7 @@ class DraftBudget:
         elif self.plain_steps() < MIN_PLAIN:
             keep = 0
         else:
-            counts = [1] * batch
+            counts = [1] * own
             qmax, drafting, gained = 1, 0, float(batch)
             keep, best_rate = 0, MARGIN * batch / self._cost(model, batch, batch, 1, context)
             for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
@@ -253,8 +256,9 @@ class DraftBudget:
             total += chain
         return total
 
-    def choose(self, batch: int, context: int) -> int:
-        """Draft tokens per sample for a step of ``batch`` samples (sampled drafts)."""
+    def choose(self, batch: int, context: int, others: int = 0) -> int:
+        """Draft tokens per sample for ``batch`` samples (sampled drafts) in a step that also holds
+        ``others`` samples without drafts."""
         self.steps += 1
         if self.max_depth == 0:
             return 0
@@ -263,10 +267,11 @@ class DraftBudget:
             return 1 if self.steps % 2 else 0
         if self.plain_steps() < MIN_PLAIN:
             return 0
-        best, best_rate = 0, MARGIN * batch / self._cost(model, batch, batch, 1, context)
+        total = batch + others
+        best, best_rate = 0, MARGIN * total / self._cost(model, total, total, 1, context)
         for length in range(1, self.max_depth + 1):
-            gained = batch * (1.0 + self.expected_accepted(length))
-            rate = gained / self._cost(model, batch * (1 + length), batch, 1 + length, context)
+            gained = others + batch * (1.0 + self.expected_accepted(length))
+            rate = gained / self._cost(model, total + batch * length, total, 1 + length, context, batch)
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
         return best

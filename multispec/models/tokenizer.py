@@ -19,12 +19,13 @@ import json
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
+from tokenizers.decoders import DecodeStream
 
 from multispec.models.config import token_id_list
 
@@ -105,6 +106,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self) -> Callable[[int], str]:
+        """Incremental decoding (``tokenizers``' DecodeStream): a function that takes the next token
+        id and returns the text it completes, "" while a multi-byte character is still open; the
+        pieces add up to ``decode`` of the whole sequence."""
+        stream = DecodeStream(skip_special_tokens=True)
+        backend = self._backend
+        return lambda token: stream.step(backend, token) or ""
 
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> str:
         """Render a conversation with the checkpoint's own template.

@@ -7,8 +7,6 @@ import torch
 import transformers
 
 from multispec import SamplingParams, SpecConfig
-from multispec.engine.kv_cache import kv_bytes_per_token
-from multispec.engine.llm_engine import GIB
 
 
 @pytest.fixture(scope="module")
@@ -84,41 +82,6 @@ def test_same_seed_same_outputs_different_seed_differs(llm):
     assert [x.token_ids for x in a.outputs] != [x.token_ids for x in c.outputs]
 
 
-def test_seeded_request_does_not_depend_on_its_batch_mates(llm):
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=7)
-    alone = llm.generate("Name a fruit.", params)[0]
-    together = llm.generate(["Name a fruit.", "Count to five."],
-                            [params, SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=8)])[0]
-    assert [x.token_ids for x in alone.outputs] == [x.token_ids for x in together.outputs]
-
-
-def test_requests_queue_when_the_cache_cap_fits_one_at_a_time(llm):
-    params = SamplingParams(n=4, temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = ["One", "Two two", "Three three three"]
-    free = llm.generate(prompts, params)
-    saved = llm.engine.config.kv_cache_bytes
-    try:
-        per_request = llm.engine.plan_cache(llm.engine.make_requests([[1] * 4], [params], [None]),
-                                            llm.spec).tokens()
-        # Room for one request's samples and a prompt, not for three requests at once.
-        llm.engine.config.kv_cache_bytes = int(per_request * 1.5 * kv_bytes_per_token(llm.config, torch.float32))
-        queued = llm.generate(prompts, params)
-    finally:
-        llm.engine.config.kv_cache_bytes = saved
-    assert [[c.token_ids for c in o.outputs] for o in free] == [[c.token_ids for c in o.outputs] for o in queued]
-    assert llm.last_stats.prefill_forwards == 3
-
-
-def test_request_too_large_for_the_cache_cap_is_refused_before_allocating(llm):
-    saved = llm.engine.config.kv_cache_bytes
-    try:
-        llm.engine.config.kv_cache_bytes = GIB // 1024
-        with pytest.raises(ValueError, match="kv_cache_memory"):
-            llm.generate("Hello", SamplingParams(n=64, max_tokens=4000))
-    finally:
-        llm.engine.config.kv_cache_bytes = saved
-
-
 def test_stop_string_and_stop_token(llm):
     out = llm.generate("Count: 1, 2, 3,", SamplingParams(n=1, temperature=0, max_tokens=30, stop=[" 5"]))[0]
     completion = out.outputs[0]
@@ -158,15 +121,15 @@ def test_first_token_distribution_is_the_models(llm):
 
 
 def test_draft_calibration_outlives_a_call(llm):
-    """The engine keeps what verification showed of a drafter's drafts, per sampling setting, so
-    a request sent on its own does not start again from the drafter's raw confidence."""
+    """The engine keeps what verification showed of a drafter's drafts, per sampling setting (a
+    lane), so a request sent on its own does not start again from the drafter's raw confidence."""
     spec = SpecConfig(drafter="consensus")
     params = SamplingParams(n=4, temperature=0.7, max_tokens=24, seed=0)
-    llm.engine.calibrations.clear()
+    llm.engine.lanes.clear()
     llm.generate("Count: 1, 2, 3, 4, 5,", params, spec, use_tqdm=False)
-    (key, calibration), = llm.engine.calibrations.items()
-    seen = sum(map(sum, calibration.cal_tried))
+    (key, lane), = llm.engine.lanes.items()
+    seen = sum(map(sum, lane.budget.cal_tried))
     llm.generate("Count: 10, 20, 30, 40,", params, spec, use_tqdm=False)
-    assert list(llm.engine.calibrations) == [key] and sum(map(sum, calibration.cal_tried)) > seen
+    assert list(llm.engine.lanes) == [key] and sum(map(sum, lane.budget.cal_tried)) > seen
     llm.generate("Count: 1, 2, 3,", SamplingParams(n=4, temperature=0, max_tokens=8), spec, use_tqdm=False)
-    assert len(llm.engine.calibrations) == 2  # greedy acceptance is calibrated on its own
+    assert len(llm.engine.lanes) == 2  # greedy acceptance is calibrated on its own

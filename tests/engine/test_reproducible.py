@@ -14,27 +14,26 @@ from __future__ import annotations
 
 import pytest
 
-from multispec import SamplingParams, SpecConfig
-from multispec.engine.kv_cache import kv_bytes_per_token
+from multispec import RequestOutput, SamplingParams, SpecConfig
+from multispec.engine import EngineConfig, LLMEngine
+from multispec.engine.cache import kv_bytes_per_token
 from multispec.reasoning import load_gsm8k
 from tests.helpers import assert_same_sampled_tokens
 
 TEMPERATURE = 0.7
 SEED = 1005
 
-# Every configuration whose drafts carry no distribution, or whose scheme ignores it: both
-# batching modes, trees, the first-match ablation, prompt lookup and the adaptive budget (which
-# reacts to measured timings, so its drafts differ from run to run).
+# Every configuration whose drafts carry no distribution, or whose scheme ignores it: chains and
+# trees, the first-match ablation, prompt lookup and the adaptive budget (which reacts to measured
+# timings, so its drafts differ from run to run).
 DRAFT_INVARIANT = {
     "consensus": SpecConfig(drafter="consensus", adaptive=False),
     "consensus-first-match": SpecConfig(drafter="consensus", aggregate=False, adaptive=False),
     "consensus-tree": SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=8, adaptive=False),
-    "consensus-padded": SpecConfig(drafter="consensus", batching="padded", adaptive=False),
     "consensus-auto": SpecConfig(drafter="consensus"),
     "consensus-sampled-deterministic": SpecConfig(drafter="consensus", sampled_drafts=True, scheme="deterministic",
                                                   max_draft_tokens=3, max_draft_nodes=6, adaptive=False),
     "ngram": SpecConfig(drafter="ngram", adaptive=False),
-    "ngram-padded": SpecConfig(drafter="ngram", batching="padded", adaptive=False),
     "ngram-auto": SpecConfig(drafter="ngram"),
 }
 
@@ -79,24 +78,53 @@ def test_seeded_request_does_not_depend_on_its_batch(llm):
     assert_same_samples(llm, before, alone, SEED)
 
 
+def drive(engine: LLMEngine, added: dict[int, list[tuple]]) -> dict[str, RequestOutput]:
+    """Step ``engine`` until it is idle, adding requests ``(id, prompt_ids, params, spec)`` at the
+    steps ``added`` names; the last output of every request."""
+    last: dict[str, RequestOutput] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(k >= step for k in added):
+        for request_id, ids, params, spec in added.get(step, []):
+            engine.add_request(request_id, ids, params, spec)
+        for out in engine.step():
+            last[out.request_id] = out
+        step += 1
+    return last
+
+
+def test_a_request_added_mid_way_gets_the_samples_it_gets_alone(llm):
+    """Continuous batching: a seeded request added while another is half-way through its
+    generation, and one sharing the batch with six others, give the samples it gives alone."""
+    question, *others = [p.chat() for p in load_gsm8k(limit=7, offset=60)]
+    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(question), add_special_tokens=False)
+    params = SamplingParams(n=8, temperature=TEMPERATURE, max_tokens=32, seed=SEED)
+    alone = llm.generate([ids], params, SpecConfig())
+    crowd = llm.chat([question, *others], [params] + [SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=s)
+                                                      for s in range(6)], SpecConfig(drafter="consensus"))[:1]
+    other_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(others[0]), add_special_tokens=False)
+    engine = llm.engine
+    mid = drive(engine, {0: [("first", other_ids, SamplingParams(n=8, temperature=1.0, max_tokens=30, seed=2), None)],
+                         12: [("late", ids, params, SpecConfig(drafter="consensus"))]})
+    assert mid["late"].metrics.first_token_time < mid["first"].metrics.finished_time  # it joined a running batch
+    for got in (crowd, [mid["late"]]):
+        assert_same_samples(llm, got, alone, SEED)
+
+
 def test_admission_order_does_not_change_seeded_samples(llm):
-    """Four questions in one call, with the KV cache capped so they queue and are admitted as
-    samples finish, and uncapped: every request's samples are the same."""
+    """Four questions with the KV cache capped so they queue and are admitted as samples finish,
+    and with room for all: every request's samples are the same."""
     conversations = [p.chat() for p in load_gsm8k(limit=4, offset=20)]
     params = [SamplingParams(n=6, temperature=TEMPERATURE, max_tokens=24, seed=SEED + i) for i in range(4)]
     free = llm.chat(conversations, params, SpecConfig())
-    spec = SpecConfig(drafter="consensus")
     prompts = [out.prompt_token_ids for out in free]
-    one = llm.engine.plan_cache(llm.engine.make_requests(prompts[:1], params[:1], [None]), spec).tokens()
-    saved = llm.engine.config.kv_cache_bytes
-    try:  # room for one request and a half: they queue
-        llm.engine.config.kv_cache_bytes = int(1.5 * one * kv_bytes_per_token(llm.config, llm.engine.dtype))
-        queued = llm.chat(conversations, params, spec)
-        assert llm.last_stats.prefill_forwards >= 3
-    finally:
-        llm.engine.config.kv_cache_bytes = saved
-    for i, (got, want) in enumerate(zip(queued, free)):
-        assert_same_samples(llm, [got], [want], SEED + i)
+    spec = SpecConfig(drafter="consensus")
+    one = max(len(p) for p in prompts) + 6 * (24 + spec.max_draft_nodes + 1)
+    capped = LLMEngine(llm.model, llm.tokenizer, EngineConfig(llm.engine.config.max_model_len,
+                                                              int(1.5 * one * kv_bytes_per_token(llm.config, llm.engine.dtype))))
+    queued = drive(capped, {0: [(str(i), ids, sp, spec) for i, (ids, sp) in enumerate(zip(prompts, params))]})
+    assert capped.stats.prefill_forwards >= 3
+    for i, want in enumerate(free):
+        assert_same_samples(llm, [queued[str(i)]], [want], SEED + i)
 
 
 def test_sampled_drafts_are_reproducible_and_batch_independent(llm):

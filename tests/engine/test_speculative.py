@@ -1,6 +1,6 @@
 """Speculative decoding is lossless end to end on the default model.
 
-Greedy: token ids identical to plain decoding for every drafter and both batching modes.
+Greedy: token ids identical to plain decoding for every drafter.
 Sampled drafts: the law of the first three tokens under speculation equals the model's exact law.
 (Copied drafts at temperature > 0: ``test_reproducible``; every configuration: ``test_configurations``.)
 """
@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from multispec import SamplingParams, SpecConfig
+from multispec.drafters import DRAFTERS, ConsensusDrafter
 from multispec.drafters.consensus import ALTERNATIVES
 from multispec.drafters.suffix import MIN_ALTERNATIVE
 from multispec.engine.sampler import target_probs
@@ -25,8 +26,6 @@ SPECS = {
     "consensus-tree": SpecConfig(drafter="consensus", max_draft_tokens=4, max_draft_nodes=8, adaptive=False),
     "consensus-sampled": SpecConfig(drafter="consensus", sampled_drafts=True, adaptive=False),
     "ngram": SpecConfig(drafter="ngram", adaptive=False),
-    "consensus-padded": SpecConfig(drafter="consensus", batching="padded", adaptive=False),
-    "ngram-padded": SpecConfig(drafter="ngram", batching="padded", adaptive=False),
     "consensus-auto": SpecConfig(drafter="consensus"),
 }
 
@@ -129,27 +128,19 @@ def test_drafter_is_told_the_target_probability_of_each_appended_token(llm, monk
     prefill's (two requests with different temperatures and top-p in one batch, so a row or
     request mix-up shows), checked against a plain forward over the finished texts. The most likely
     tokens may be left out only where the sampled token leaves less than the drafter's floor to
-    all others."""
-    import multispec.engine.llm_engine as llm_engine
-
+    all others. The recording drafter joins through the registry, as any new drafter does."""
     seen: dict[int, list[tuple[list[int], list[float] | None, list | None]]] = {}
-    made = llm_engine.make_drafter
 
-    def recording(kind, **options):
-        drafter = made(kind, **options)
-        observe = drafter.observe
-
-        def spy(sample_id, tokens, probs=None, alternatives=None):
+    class Recording(ConsensusDrafter):
+        def observe(self, sample_id, tokens, probs=None, alternatives=None):
             seen.setdefault(sample_id, []).append((list(tokens), probs, alternatives))
-            observe(sample_id, tokens, probs, alternatives)
-        drafter.observe = spy
-        return drafter
+            super().observe(sample_id, tokens, probs, alternatives)
 
-    monkeypatch.setattr(llm_engine, "make_drafter", recording)
+    monkeypatch.setitem(DRAFTERS, "recording", Recording)
     conversations = [p.chat() for p in load_gsm8k(limit=2)]
     params = [SamplingParams(n=3, temperature=0.7, max_tokens=24, seed=1),
               SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=24, seed=2)]
-    spec = SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=4, adaptive=False)
+    spec = SpecConfig(drafter="recording", max_draft_tokens=3, max_draft_nodes=4, adaptive=False)
     outputs = llm.chat(conversations, params, spec)
     assert llm.last_stats.accepted_tokens > 0
     k = ALTERNATIVES

@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 
-from multispec.engine import kv_cache
 from multispec.models.config import ModelConfig
 from multispec.models.llama import LlamaForCausalLM
 from tests.helpers import new_cache, prefill, step
@@ -114,11 +113,10 @@ def test_default_model_matches_transformers(default_checkpoint, hf_default_model
 
 @pytest.mark.parametrize("split", [False, True], ids=["one part", "root and draft parts"])
 @pytest.mark.parametrize("sample_prompt", [[1, 0, 1], [2, 0, 1]])
-def test_samples_of_several_prompts_in_one_step(sample_prompt, split, monkeypatch):
+def test_samples_of_several_prompts_in_one_step(sample_prompt, split):
     """Three samples of two or three prompts of different lengths, slots interleaved, each with
     its own history and tree, one of them without a draft: every node's logits equal the plain
     sequence's, in both layouts of the attention (see ``split_step``)."""
-    monkeypatch.setattr(kv_cache, "split_step", lambda batch, qmax, drafting, tokens: split and 0 < drafting < batch)
     hf, ours = tiny("llama")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 29, 23)]
@@ -134,7 +132,7 @@ def test_samples_of_several_prompts_in_one_step(sample_prompt, split, monkeypatc
             # A sample whose history is complete writes a scratch token at its next position,
             # which its root overwrites in the checked step.
             step(ours, cache, [own[b][i] if i < len(own[b]) else 0 for b in range(3)], [([], [])] * 3,
-                 [min(i, len(own[b])) for b in range(3)], sample_prompt, lens)
-        rows = step(ours, cache, roots, trees, [len(t) for t in own], sample_prompt, lens)
+                 [min(i, len(own[b])) for b in range(3)], sample_prompt, lens, split)
+        rows = step(ours, cache, roots, trees, [len(t) for t in own], sample_prompt, lens, split)
     histories = [prompts[sample_prompt[b]] + own[b] + [roots[b]] for b in range(3)]
     assert_nodes_match_paths(hf, rows, histories, trees)

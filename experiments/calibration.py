@@ -6,8 +6,8 @@ confidence, the length of the context match behind it, and whether the node was 
 the measured acceptance per confidence bin and per match length: the raw material the engine's
 draft budget calibrates on line (see ``multispec/engine/budget.py``).
 
-    python benchmarks/bench_calibration.py                      # consensus, 4 questions x 16, ~3 min
-    python benchmarks/bench_calibration.py --drafter ngram
+    python experiments/calibration.py                      # consensus, 4 questions x 16, ~3 min
+    python experiments/calibration.py --drafter ngram
 """
 
 from __future__ import annotations
@@ -31,25 +31,22 @@ def main() -> None:
     args = parser.parse_args()
 
     from multispec import LLM, SamplingParams, SpecConfig
-    from multispec.engine.llm_engine import Engine
     from multispec.reasoning import load_gsm8k
 
     nodes: list[tuple[float, int, bool]] = []
-    verify = Engine._verify
 
-    def recording_verify(self, step, logits, spec):
-        results = verify(self, step, logits, spec)
-        for tree, (path, _, _) in zip(step.trees, results):
+    def record(report) -> None:
+        """Every draft node whose parent was accepted, from the engine's step report."""
+        for tree, result in zip(report.trees, report.results):
             if tree.confidence is None:
                 continue
-            accepted = set(path)
+            accepted = set(result.path)
             for i, parent in enumerate(tree.parents):
                 if parent < 0 or parent in accepted:
                     nodes.append((tree.confidence[i], tree.evidence[i], i in accepted))
-        return results
 
-    Engine._verify = recording_verify
     llm = LLM()
+    llm.engine.step_observers.append(record)
     conversations = [p.chat() for p in load_gsm8k(limit=args.questions)]
     spec = SpecConfig(drafter=args.drafter, max_draft_tokens=args.depth, max_draft_nodes=args.depth, adaptive=False)
     llm.chat(conversations, SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,

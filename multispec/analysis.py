@@ -1,4 +1,4 @@
-"""``multispec analyze-verify``: expected per-token acceptance of every scheme for K = 1..8 drafts.
+"""``multispec analyze-verify``: expected per-token acceptance of every verification scheme for K = 1..8 drafts.
 
 Two settings: (a) random target/draft pairs, (b) real ones: p is the default model's next-token
 distribution at temperature 1.0 at the positions of its own samples on GSM8K questions (chat

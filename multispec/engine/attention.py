@@ -1,14 +1,10 @@
-"""Pre-allocated two-level KV cache: one copy of each prompt, one private tail per sample.
+"""Attention over the two-level KV cache: prompts at prefill, packed sample trees at decode.
 
-A prompt's keys and values are computed once and stored once, in a *prompt slot*; its n
-samples each own a *sample slot* that holds only the tokens generated after the prompt. A
-sample attends to its prompt slot and to its own slot, and the two softmax halves are merged
-exactly (log-sum-exp), so n samples never copy the prompt and the prompt's keys are read once
-per step for all n samples together.
-
-Sample slots in use are always ``0 .. num_active-1`` (a finished sample's slot is refilled by
-moving the last one down), so the attention reads the cache in place as one strided view: no
-gather of the cache per step, and commit moves only the few entries of an accepted tree path.
+A sample attends to its prompt slot and to its own slot, and the two softmax halves are merged
+exactly (log-sum-exp), so n samples never copy the prompt and the prompt's keys are read once per
+step for all n samples together. Sample slots in use are always ``0 .. num_active-1`` (the
+scheduler keeps them packed), so the attention reads the cache in place as one strided view: no
+gather of the cache per step.
 """
 
 from __future__ import annotations
@@ -17,72 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multispec.models.config import ModelConfig
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one token occupies in the cache over all layers (keys and values)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """How many slots of which capacity; fixes the memory before anything is allocated."""
-
-    sample_slots: int
-    sample_capacity: int
-    prompt_slots: int
-    prompt_capacity: int
-
-    def tokens(self) -> int:
-        return self.sample_slots * self.sample_capacity + self.prompt_slots * self.prompt_capacity
-
-
-class KVCache:
-    """Keys/values as [layers, slots, kv_heads, capacity, head_dim] for samples and prompts."""
-
-    def __init__(self, config: ModelConfig, shape: CacheShape, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 with_holes: bool = False):
-        self.config = config
-        self.shape = shape
-        layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        sample_dims = (layers, shape.sample_slots, heads, shape.sample_capacity, dim)
-        prompt_dims = (layers, shape.prompt_slots, heads, shape.prompt_capacity, dim)
-        # Zeroed, not empty: masked-out entries still enter the matmuls (as 0 * value), and
-        # uninitialised memory can hold NaN or inf, which a zero weight does not cancel.
-        self.sample_k = torch.zeros(sample_dims, dtype=dtype, device=device)
-        self.sample_v = torch.zeros(sample_dims, dtype=dtype, device=device)
-        self.prompt_k = torch.zeros(prompt_dims, dtype=dtype, device=device)
-        self.prompt_v = torch.zeros(prompt_dims, dtype=dtype, device=device)
-        self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
-        # Only the padded-batching ablation leaves masked filler ("holes") inside a sample's cache.
-        self.valid = torch.ones(shape.sample_slots, shape.sample_capacity, dtype=torch.bool) if with_holes else None
-
-    def take_prompt_slot(self) -> int:
-        return self.free_prompt_slots.pop()
-
-    def release_prompt_slot(self, slot: int) -> None:
-        self.free_prompt_slots.append(slot)
-
-    def move_sample(self, src: int, dst: int, length: int) -> None:
-        """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""
-        self.sample_k[:, dst, :, :length] = self.sample_k[:, src, :, :length]
-        self.sample_v[:, dst, :, :length] = self.sample_v[:, src, :, :length]
-        if self.valid is not None:
-            self.valid[dst, :length] = self.valid[src, :length]
-
-    def keep_paths(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Commit accepted tree paths: cache position ``src[i]`` of ``slots[i]`` moves to ``dst[i]``.
-
-        Only nodes that are not already in place are passed; chains accepted from their start
-        need no move at all. Everything past the new length is garbage that the next step
-        overwrites.
-        """
-        if slots.numel() == 0:
-            return
-        self.sample_k[:, slots, :, dst] = self.sample_k[:, slots, :, src]
-        self.sample_v[:, slots, :, dst] = self.sample_v[:, slots, :, src]
+from multispec.engine.cache import KVCache
 
 
 class PrefillAttention:
@@ -103,8 +34,8 @@ class PrefillAttention:
             end = start + length
             kk = k[start:end].transpose(0, 1)
             vv = v[start:end].transpose(0, 1)
-            self.cache.prompt_k[layer, slot, :, :length] = kk
-            self.cache.prompt_v[layer, slot, :, :length] = vv
+            self.cache.prompt_k[slot, layer, :, :length] = kk
+            self.cache.prompt_v[slot, layer, :, :length] = vv
             out = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), kk, vv, is_causal=True, enable_gqa=True
             )
@@ -135,7 +66,7 @@ def split_step(batch: int, qmax: int, drafting: int, tokens: int) -> bool:
 
     One part pads every sample to the deepest draft's rows; two parts pad only the drafting
     samples, but the second part gathers their caches and runs every attention operation once
-    more per layer. Measured on a CPU (``benchmarks/bench_layout.py``: 16 samples, 250 cached
+    more per layer. Measured on a CPU (``experiments/layout.py``: 16 samples, 250 cached
     tokens), that second pass costs about what padding as many rows as the step has real ones
     does: one part was faster where half the samples drafted (one token each: 217 vs 240 ms;
     three: 281 vs 310 ms) and two parts only where a few samples drafted deep (one sample, four
@@ -157,7 +88,9 @@ class DecodeAttention:
     only the finished index and mask tensors move to the cache's device, once per step.
     """
 
-    def __init__(self, cache: KVCache, layout: StepLayout):
+    def __init__(self, cache: KVCache, layout: StepLayout, split: bool | None = None):
+        """``split``: force the two-part (True) or one-part (False) layout where the step has both
+        drafting and plain samples; None lets ``split_step`` choose (the engine's way)."""
         self.cache = cache
         counts = layout.counts
         batch, total = counts.numel(), int(counts.sum())
@@ -169,7 +102,9 @@ class DecodeAttention:
         self.row_sample = row_sample.to(device)
         self.row_cache_pos = (layout.written[row_sample] + row_index).to(device)
         drafting = torch.nonzero(counts > 1).flatten()
-        if split_step(batch, self.qmax, drafting.numel(), total):
+        if split is None:
+            split = split_step(batch, self.qmax, drafting.numel(), total)
+        if split and 0 < drafting.numel() < batch:
             self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=True),
                           _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, contiguous=False)]
         else:
@@ -177,8 +112,8 @@ class DecodeAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
-        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
+        cache.sample_k[self.row_sample, layer, :, self.row_cache_pos] = k
+        cache.sample_v[self.row_sample, layer, :, self.row_cache_pos] = v
         q = q * q.shape[-1] ** -0.5
         if len(self.parts) == 1:
             return self.parts[0].attend(layer, q)
@@ -218,8 +153,6 @@ class _Part:
         key_pos = torch.arange(self.key_len)
         rel = key_pos[None, :] - written[:, None]                           # [P, K]
         old = rel < 0
-        if cache.valid is not None:
-            old = old & cache.valid[members, : self.key_len]
         new = (rel >= 0) & (rel < counts[:, None])
         rel_clamped = rel.clamp(0, layout.tree_mask.shape[1] - 1)
         tree = layout.tree_mask[members][:, first: first + width]           # [P, W, Qmax]
@@ -283,11 +216,11 @@ class _Part:
             size, kv_heads, rows, dim)
 
         if self.contiguous:
-            own_k = cache.sample_k[layer, :size, :, : self.key_len]
-            own_v = cache.sample_v[layer, :size, :, : self.key_len]
+            own_k = cache.sample_k[:size, layer, :, : self.key_len]
+            own_v = cache.sample_v[:size, layer, :, : self.key_len]
         else:
-            own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
-            own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
+            own_k = cache.sample_k[:, layer, :, : self.key_len].index_select(0, self.members)
+            own_v = cache.sample_v[:, layer, :, : self.key_len].index_select(0, self.members)
         own_scores = q_rows @ own_k.transpose(-1, -2)                          # [P, kvh, G*W, K]
         own_scores = own_scores.view(size, kv_heads, group, width, self.key_len) + self.bias[:, None, None]
         own_scores = own_scores.view(size, kv_heads, rows, self.key_len)
@@ -300,16 +233,16 @@ class _Part:
         plen = self.prompt_len
         if self.single:
             slot = self.single_slot
-            pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
-            pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
+            pk = cache.prompt_k[slot: slot + 1, layer, :, :plen]
+            pv = cache.prompt_v[slot: slot + 1, layer, :, :plen]
             qg = q_rows.transpose(0, 1).reshape(1, kv_heads, size * rows, dim)
         elif self.one_each:
-            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
-            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
+            pk = cache.prompt_k[self.group_slots, layer, :, :plen]
+            pv = cache.prompt_v[self.group_slots, layer, :, :plen]
             qg = q_rows
         else:
-            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
-            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
+            pk = cache.prompt_k[self.group_slots, layer, :, :plen]
+            pv = cache.prompt_v[self.group_slots, layer, :, :plen]
             qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
             qg[self.sample_group, self.sample_member] = q_rows
             qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)

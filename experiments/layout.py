@@ -7,8 +7,8 @@ samples' caches). ``split_step`` picks one from the step's shape; this script me
 the default model so the rule can be checked on any machine. Every shape runs through both
 layouts in turn, repeated, and the median is reported.
 
-    python benchmarks/bench_layout.py                       # 16 samples, 250 cached tokens each
-    python benchmarks/bench_layout.py --batch 64 --repeats 6
+    python experiments/layout.py                       # 16 samples, 250 cached tokens each
+    python experiments/layout.py --batch 64 --repeats 6
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ def main() -> None:
     args = parser.parse_args()
 
     from multispec import LLM
-    from multispec.engine import kv_cache
-    from multispec.engine.kv_cache import CacheShape, DecodeAttention, KVCache, StepLayout
+    from multispec.engine.attention import DecodeAttention, StepLayout, split_step
+    from multispec.engine.cache import CacheShape, KVCache
 
     llm = LLM(args.model, device=args.device)
     model, dtype, device = llm.engine.model, llm.engine.dtype, llm.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     batch = args.batch
-    cache = KVCache(model.config, CacheShape(batch, args.context + 8, 1, args.prompt), dtype, device)
+    shape = CacheShape(batch, args.context + 8, 1, args.prompt)
+    cache = KVCache(model.config, shape.tokens(), dtype, device)
+    cache.layout(shape)
     for tensor in (cache.sample_k, cache.sample_v, cache.prompt_k, cache.prompt_v):
         tensor.normal_()
     generator = torch.Generator().manual_seed(0)
@@ -69,17 +71,12 @@ def main() -> None:
         layout = StepLayout(torch.tensor(counts), torch.full((batch,), args.context),
                             torch.zeros(batch, dtype=torch.long), torch.full((batch,), args.prompt), tree_mask)
         ids = torch.randint(0, model.config.vocab_size, (sum(counts),), generator=generator).to(device)
-        rule = kv_cache.split_step
-        kv_cache.split_step = lambda b, q, d, t: split and 0 < d < b
-        try:
-            with torch.inference_mode():
-                sync()
-                start = time.perf_counter()
-                model(ids, torch.tensor(positions, device=device), DecodeAttention(cache, layout))
-                sync()
-                return time.perf_counter() - start
-        finally:
-            kv_cache.split_step = rule
+        with torch.inference_mode():
+            sync()
+            start = time.perf_counter()
+            model(ids, torch.tensor(positions, device=device), DecodeAttention(cache, layout, split))
+            sync()
+            return time.perf_counter() - start
 
     table = shapes(batch)
     for counts in table.values():  # warm-up: first-call allocations and kernel selection
@@ -95,7 +92,7 @@ def main() -> None:
     for name, counts in table.items():
         one, two = (1e3 * statistics.median(times[(name, split)]) for split in (False, True))
         drafting = sum(1 for c in counts if c > 1)
-        picked = "two parts" if kv_cache.split_step(batch, max(counts), drafting, sum(counts)) else "one part"
+        picked = "two parts" if split_step(batch, max(counts), drafting, sum(counts)) else "one part"
         same = " (same layout: none or all draft)" if drafting in (0, batch) else ""
         print(f"{name:<22}{sum(counts):>7}{one:>10.1f}{two:>11.1f}  {picked}{same}")
 

@@ -1,0 +1,409 @@
+"""The engine: requests in, one step at a time, outputs out (vLLM's ``add_request`` / ``step`` /
+``abort`` shape), with continuous batching.
+
+Each ``step`` admits the waiting requests that fit and prefills their prompts (one forward; the
+first token of each of the n samples is sampled from the prompt's last row), then runs one decode
+step for every live sample of every request: draft, pack, one target forward, verify, commit,
+observe. Plain decoding is the same step with empty drafts. Samples leave the batch as soon as
+they finish and their slots go to whoever waits. Nothing else drives the loop: ``LLM.generate``
+and ``AsyncLLM`` are loops over ``step``.
+
+A request whose own bookkeeping fails (its drafter raises, a stop rule fails on its text) is
+finished with an error; the others in the batch go on.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Callable
+
+import torch
+
+from multispec.drafters import DraftTree
+from multispec.engine.attention import DecodeAttention, PrefillAttention
+from multispec.engine.budget import DraftBudget
+from multispec.engine.cache import GIB, CacheShape, KVCache, kv_bytes_per_token
+from multispec.engine.lane import Lane, lane_key
+from multispec.engine.request import Request, Sample
+from multispec.engine.scheduler import Scheduler
+from multispec.engine.step import Step, Verified, commit, most_likely, pack, position_keys, sampling_rows, verify
+from multispec.engine.sampler import target_probs
+from multispec.models.llama import LlamaForCausalLM
+from multispec.models.tokenizer import Tokenizer
+from multispec.params import RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
+from multispec.verify.sampling import sample_key, sample_rows
+from multispec.verify.schemes import resolve
+
+
+@dataclass
+class EngineConfig:
+    """Limits fixed when the engine is built."""
+
+    max_model_len: int
+    kv_cache_bytes: int = 4 * GIB
+
+
+@dataclass
+class StepReport:
+    """What a decode step did, for step observers (benchmarks, diagnostics): the samples in slot
+    order, their draft trees and verification outcomes, the step's token count and its time split
+    (seconds)."""
+
+    samples: list[Sample]
+    trees: list[DraftTree]
+    results: list[Verified]
+    tokens: int
+    time_draft: float
+    time_forward: float
+    time_verify: float
+    time_commit: float
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 spec: SpecConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.default_spec = spec or SpecConfig()
+        self.dtype = model.output_weight().dtype
+        self.device = model.output_weight().device
+        # Kernels on an accelerator run asynchronously; the step's time split (and the draft
+        # budget's cost samples) must wait for them to finish.
+        on_gpu = self.device.type == "cuda"
+        self._sync = (lambda: torch.cuda.synchronize(self.device)) if on_gpu else (lambda: None)
+        self.vocab_size = model.config.vocab_size
+        per_token = kv_bytes_per_token(model.config, self.dtype)
+        self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.dtype, self.device)
+        self.scheduler = Scheduler(self.cache, config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.lanes: dict[tuple, Lane] = {}
+        # (tokens, attention work, seconds, drafted) of recent decode steps: the draft budget's cost model.
+        self.forward_costs: deque = deque(maxlen=256)
+        self.stats = RunStats()
+        """Running totals since the engine was built."""
+        self.step_observers: list[Callable[[StepReport], None]] = []
+        self._changed: dict[str, Request] = {}
+        self._next_sample_id = 0
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     spec: SpecConfig | None = None, *, prompt: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, name: str | None = None) -> Request:
+        """A request checked against the model and the cache, not yet queued (``enqueue``); the
+        check is the whole of ``add_request``'s, so a caller can check several before queuing any.
+        ``name``: how error messages call its prompt (default: "the prompt of request <id>").
+
+        ``max_tokens`` past the context window is clipped to it, as vLLM's offline ``LLM`` does:
+        such samples end with finish_reason "length"."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r}: must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r}: must be a SamplingParams")
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec={spec!r}: must be a SpecConfig or None")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind={output_kind!r}: must be a RequestOutputKind")
+        subject = name or f"the prompt of request {request_id!r}"
+        ids = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+        if ids is None or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{subject} must be a list of token ids")
+        if not ids:
+            raise ValueError(f"{subject} is empty: give at least one token")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"{subject} has {len(ids)} tokens, more than the context window allows "
+                             f"(max_model_len={self.config.max_model_len}, leaving room for 1 new token)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{subject} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs!r}: must be at most the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids={params.stop_token_ids!r}: ids must lie in [0, {self.vocab_size})")
+        spec = spec or self.default_spec
+        spec.check()
+        spec.check_temperature(params.temperature)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+        max_tokens = min(params.max_tokens, self.config.max_model_len - len(ids))
+        draft = spec.max_draft_nodes if spec.speculates else 0
+        request = Request(request_id, prompt, [int(t) for t in ids], params, spec, max_tokens,
+                          params.seed if params.seed is not None else secrets.randbits(64), stop_ids, eos, output_kind,
+                          resolve(spec.scheme, spec.draft_law, params.temperature).name, lane_key(spec, params),
+                          max_tokens + draft + 1)
+        self.scheduler.check_fits(request)
+        return request
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    spec: SpecConfig | None = None, *, prompt: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Queue a request (``spec``: its speculation settings, the engine's default when None).
+        It is admitted at a coming step, when its prompt and samples fit; one that can never fit
+        is refused here with a ValueError, as is an id already in use."""
+        self.enqueue(self.make_request(request_id, prompt_ids, params, spec, prompt=prompt, output_kind=output_kind))
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request made by ``make_request``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its slots; its outputs end here. An unknown or finished id is
+        ignored (a request may finish while its abort is on the way), as in vLLM."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self._changed.pop(request_id, None)
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+            return
+        for sample in request.samples:
+            if not sample.finished:
+                sample.finish("abort")
+        self._retire()
+
+    def abort_sample(self, request_id: str, index: int) -> None:
+        """Stop one sample of a request (finish_reason "abort") and free its slot; the others go
+        on. An unknown or finished request is ignored; an index outside [0, n) is a ValueError."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if isinstance(index, bool) or not isinstance(index, Integral) or not 0 <= index < request.n:
+            raise ValueError(f"index={index!r}: request {request_id!r} has samples 0 to {request.n - 1}")
+        if not request.samples:  # still waiting: the sample starts finished
+            request.aborted.add(int(index))
+            return
+        sample = request.samples[index]
+        if not sample.finished:
+            sample.finish("abort")
+            self._changed[request_id] = request
+            self._retire()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill what fits, run one decode step for every live sample, and report the
+        requests that changed (by each one's output kind). Nothing to do: an empty list."""
+        start = time.perf_counter()
+        changed, self._changed = self._changed, {}
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted, changed)
+            self._retire()
+        if self.scheduler.slots:
+            self._decode(changed)
+            self._retire()
+        outputs = []
+        now = time.monotonic()
+        for request in changed.values():
+            if request.request_id not in self.requests:
+                continue
+            out = request.output(self.tokenizer)
+            if request.finished:
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+            if out is not None:
+                outputs.append(out)
+        if admitted or changed:
+            self.stats.time_total += time.perf_counter() - start
+        return outputs
+
+    def _lane(self, request: Request) -> Lane:
+        lane = self.lanes.get(request.lane)
+        if lane is None:
+            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.forward_costs)
+        return lane
+
+    def _fail(self, request: Request, error: BaseException, changed: dict[str, Request]) -> None:
+        """Finish a request whose own bookkeeping raised; the rest of the batch goes on."""
+        request.error = f"{type(error).__name__}: {error}"
+        for sample in request.samples:
+            if not sample.finished:
+                sample.finish("abort")
+        changed[request.request_id] = request
+
+    def _prefill(self, requests: list[Request], changed: dict[str, Request]) -> None:
+        """One forward over the admitted prompts; each prompt's last row gives its n samples their
+        first token, drawn with each sample's own keyed random number for output position 0."""
+        t0 = time.perf_counter()
+        token_ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
+        positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
+        last_rows = torch.tensor(_cumsum([r.prompt_len for r in requests]), device=self.device) - 1
+        attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
+        logits = self.model(token_ids, positions, attention, logit_rows=last_rows)
+        probs = target_probs(logits, *sampling_rows(requests, self.device))
+        logprobs = torch.log_softmax(logits, -1)
+        now = time.monotonic()
+        for row, request in enumerate(requests):
+            n = request.n
+            request.samples = [Sample(request, i, self._next_sample_id + i, sample_key(request.seed, i),
+                                      logprobs=[] if request.params.logprobs is not None else None,
+                                      stream=self.tokenizer.stream() if request.tracks_text else None)
+                               for i in range(n)]
+            self._next_sample_id += n
+            request.unfinished = n
+            request.metrics.first_token_time = now
+            self.scheduler.place(request.samples)
+            changed[request.request_id] = request
+            try:
+                lane = self._lane(request)
+                first = sample_rows(probs[row:row + 1], position_keys(request.samples).at(torch.arange(n), 0))
+                tokens = first.tolist()
+                token_probs = probs[row, first].tolist()
+                wanted = lane.drafter.alternatives, lane.drafter.min_alternative
+                tops = most_likely(probs, [row] * n, token_probs, *wanted)
+                lane.add(request)
+                for k, (sample, token) in enumerate(zip(request.samples, tokens)):
+                    if k in request.aborted:
+                        sample.finish("abort")
+                        continue
+                    sample.append([token], [float(logprobs[row, token])], logprobs[row:row + 1])
+                    lane.drafter.observe(sample.sample_id, sample.output_ids, [token_probs[k]],
+                                         None if tops is None else [tops[k]])
+                self.stats.generated_tokens += n
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(request, error, changed)
+        self.stats.prefill_forwards += 1
+        self.stats.prompt_tokens += int(token_ids.numel())
+        self.stats.time_prefill += time.perf_counter() - t0
+
+    def _decode(self, changed: dict[str, Request]) -> None:
+        slots = self.scheduler.slots
+        t0 = time.perf_counter()
+        context = max(s.request.prompt_len for s in slots) + max(s.cached for s in slots)
+        trees = self._draft(slots, context, changed)
+        t1 = time.perf_counter()
+        step = pack(slots, trees, self.device)
+        logits = self.model(step.token_ids, step.positions, DecodeAttention(self.cache, step.layout))
+        self._sync()
+        t2 = time.perf_counter()
+        lanes = self._lanes_of(slots)
+        asking = [lane.drafter for lane in lanes if lane.drafter.alternatives]
+        wanted = (max(d.alternatives for d in asking), min(d.min_alternative for d in asking)) if asking else (0, 0.0)
+        results = verify(step, logits, wanted)
+        t3 = time.perf_counter()
+        kept = commit(step, logits, results, self.cache)
+        self._observe(step, results, kept, changed)
+        self._sync()
+        t4 = time.perf_counter()
+        # The whole step is what a draft token costs: forward, verification and commit grow with it.
+        counts = step.layout.counts
+        qmax, drafting, tokens = int(counts.max()), int((counts > 1).sum()), int(step.token_ids.numel())
+        next(iter(lanes)).budget.record_forward(  # the cost samples are shared by every lane
+            tokens, DraftBudget.work(len(slots), qmax, context, drafting, tokens), t4 - t0, speculative=qmax > 1)
+        for lane, members in lanes.items():
+            lane.record([trees[b] for b in members], [results[b].path for b in members])
+        stats = self.stats
+        stats.decode_forwards += 1
+        stats.sample_steps += len(slots)
+        stats.forward_tokens += tokens
+        stats.drafted_tokens += tokens - len(slots)
+        stats.accepted_tokens += sum(len(r.path) for r in results)
+        stats.generated_tokens += sum(kept)
+        stats.time_draft += t1 - t0
+        stats.time_forward += t2 - t1
+        stats.time_verify += t3 - t2
+        stats.time_commit += t4 - t3
+        if self.step_observers:
+            report = StepReport(list(slots), trees, results, tokens, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+            for observer in self.step_observers:
+                observer(report)
+
+    def _lanes_of(self, slots: list[Sample]) -> dict[Lane, list[int]]:
+        """The lanes of the step's samples, each with its samples' slot indices."""
+        lanes: dict[Lane, list[int]] = {}
+        for b, sample in enumerate(slots):
+            lanes.setdefault(self.lanes[sample.request.lane], []).append(b)
+        return lanes
+
+    def _draft(self, slots: list[Sample], context: int, changed: dict[str, Request]) -> list[DraftTree]:
+        """Every sample's draft tree, lane by lane; a request whose drafter raises gets no draft
+        and fails (see ``_fail``)."""
+        trees = [DraftTree.EMPTY] * len(slots)
+        for lane, members in self._lanes_of(slots).items():
+            samples = [slots[b] for b in members]
+            budgets = lane.budgets(samples, len(slots), context)
+            if not any(budgets):
+                continue
+            uniforms = None
+            if lane.drafter.sampled:  # keyed to each sample's position, like its verification
+                uniforms = position_keys(samples).draft_uniforms(max(budgets)).tolist()
+            proposed = [DraftTree.EMPTY] * len(samples)
+            by_request: dict[Request, list[int]] = {}
+            for k, sample in enumerate(samples):
+                by_request.setdefault(sample.request, []).append(k)
+            for request, ks in by_request.items():
+                try:
+                    got = lane.drafter.propose([samples[k].sample_id for k in ks], [budgets[k] for k in ks],
+                                               None if uniforms is None else [uniforms[k] for k in ks])
+                except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
+                    self._fail(request, error, changed)
+                    continue
+                for k, tree in zip(ks, got):
+                    proposed[k] = tree
+            for b, tree in zip(members, lane.select(proposed, len(slots), context)):
+                trees[b] = tree
+        return trees
+
+    def _observe(self, step: Step, results: list[Verified], kept: list[int], changed: dict[str, Request]) -> None:
+        """Tell each lane's drafter what its samples appended, and count them for their requests."""
+        counted: set[Request] = set()
+        for b, sample in enumerate(step.samples):
+            request = sample.request
+            changed[request.request_id] = request
+            metrics = request.metrics
+            if request not in counted:
+                counted.add(request)
+                metrics.decode_steps += 1
+            metrics.sample_steps += 1
+            metrics.drafted_tokens += len(step.trees[b].tokens)
+            metrics.accepted_tokens += len(results[b].path)
+            if request.error is not None:
+                continue
+            added = kept[b]
+            result = results[b]
+            try:
+                self.lanes[request.lane].drafter.observe(
+                    sample.sample_id, sample.output_ids[len(sample.output_ids) - added:], result.token_probs[:added],
+                    None if result.alternatives is None else result.alternatives[:added])
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(request, error, changed)
+
+    def _retire(self) -> None:
+        for sample in self.scheduler.retire():
+            self.stats.finished_samples += 1
+            self.lanes[sample.request.lane].drafter.remove(sample.sample_id)
+
+    # ------------------------------------------------------------------ teacher forcing
+    def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, in one prefill forward through a scratch cache."""
+        if not token_ids:
+            raise ValueError("token_ids is empty")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        if not all(0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        cache = KVCache(self.model.config, len(token_ids), self.dtype, self.device)
+        cache.layout(CacheShape(0, 0, 1, len(token_ids)))
+        slot = cache.take_prompt_slot()
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, device=self.device)
+            return self.model(ids, torch.arange(len(token_ids), device=self.device),
+                              PrefillAttention(cache, [(slot, len(token_ids))]))
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

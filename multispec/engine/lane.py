@@ -1,0 +1,103 @@
+"""A lane: the drafter and draft budget that requests with the same speculation and sampling
+settings share.
+
+Drafting state is per prompt inside a drafter (siblings draft for each other), and what verification
+has shown about a drafter's drafts depends on the sampling settings, so a lane is the unit the
+engine drafts, calibrates and budgets for. The calibration outlives its requests (a request sent
+on its own drafts from what earlier ones measured); the cost of a step is measured once for the
+whole engine and shared by every lane.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from multispec.drafters import DraftTree, make_drafter
+from multispec.engine.budget import Calibration, DraftBudget
+from multispec.engine.request import Request, Sample
+from multispec.params import SpecConfig
+from multispec.verify import DraftLaw
+
+
+def lane_key(spec: SpecConfig, request_params) -> tuple:
+    """Requests with equal keys share a lane."""
+    sp = request_params
+    return (spec.drafter, spec.max_draft_tokens, spec.max_draft_nodes, spec.scheme, spec.sampled_drafts,
+            spec.aggregate, spec.max_ngram, spec.min_ngram, spec.max_batch_tokens, spec.adaptive,
+            round(sp.temperature, 2), sp.top_k, round(sp.top_p, 2))
+
+
+class Lane:
+    def __init__(self, spec: SpecConfig, vocab_size: int, forward_costs: deque):
+        self.spec = spec
+        self.law: DraftLaw | None = spec.draft_law
+        self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
+                                    max_depth=spec.max_draft_tokens, max_nodes=spec.max_draft_nodes,
+                                    sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
+                                    min_ngram=spec.min_ngram)
+        depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
+        self.budget = DraftBudget(depth, forward_costs, max_evidence=spec.max_ngram,
+                                  calibration=Calibration.prior(depth, spec.max_ngram))
+
+    def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:
+        """Draft nodes each sample may get this step (all 0: no drafts). ``batch``: samples in the
+        whole step (other lanes' included), ``context``: keys its attention reads per row."""
+        spec = self.spec
+        none = [0] * len(samples)
+        if not spec.speculates:
+            return none
+        nodes = spec.max_draft_nodes
+        extra = batch - len(samples)
+        if spec.adaptive and spec.sampled_drafts:
+            length = self.budget.choose(len(samples), context, extra)
+            if length == 0:
+                return none
+            nodes = min(nodes, length) if length < spec.max_draft_tokens else nodes
+        elif spec.adaptive and not self.budget.wants_drafts():
+            return none
+        budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
+        if spec.max_batch_tokens is not None:
+            spare = max(0, spec.max_batch_tokens - batch)
+            if sum(budgets) > spare:
+                share = spare // len(samples)
+                budgets = [min(b, share) for b in budgets]
+        return budgets
+
+    def select(self, trees: list[DraftTree], batch: int, context: int) -> list[DraftTree]:
+        """The nodes worth their place in the forward (copied drafts under the adaptive budget);
+        sampled drafts must reach the verifier exactly as drawn."""
+        if self.spec.adaptive and not self.spec.sampled_drafts and self.spec.speculates:
+            return self.budget.select(trees, context, batch - len(trees))
+        return trees
+
+    def record(self, trees: list[DraftTree], paths: list[list[int]]) -> None:
+        """What verification accepted, for the budget's calibration."""
+        if not self.budget.max_depth:
+            return
+        if self.spec.sampled_drafts:
+            self.budget.record_acceptance(*_acceptance_by_depth(trees, paths, self.budget.max_depth))
+        else:
+            self.budget.record_nodes(trees, paths)
+
+    def add(self, request: Request) -> None:
+        self.drafter.add_group(request.prompt_slot, request.prompt_ids, [s.sample_id for s in request.samples])
+
+
+def _acceptance_by_depth(trees: list[DraftTree], paths: list[list[int]], max_depth: int) -> tuple[list[int], list[int]]:
+    """Per depth d: how many samples reached d - 1 with a draft child to try at d, and how many
+    accepted it (the statistics the draft budget learns from)."""
+    tried = [0] * (max_depth + 1)
+    kept = [0] * (max_depth + 1)
+    for tree, path in zip(trees, paths):
+        if not tree.tokens:
+            continue
+        node = -1
+        for depth in range(1, max_depth + 1):
+            if node not in tree.parents:
+                break
+            tried[depth] += 1
+            if depth > len(path):
+                break
+            kept[depth] += 1
+            node = path[depth - 1]
+    return tried, kept

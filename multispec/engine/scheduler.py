@@ -1,0 +1,122 @@
+"""Admission and slots: which requests run, where their keys live, when the cache is laid out.
+
+Requests wait in arrival order. Each step the scheduler admits waiting requests, first come first
+served, while the one at the head fits: a free prompt slot and n free sample slots of the current
+layout, whose capacities must hold its prompt and its samples' tokens. A request too big for the
+current layout waits, and so do those behind it, until no sample is left running; the cache is
+then laid out again for what waits (``plan``). A request that could not fit even alone in the
+whole cache is refused when it is added (``check_fits``).
+
+Live samples always occupy sample slots 0..B-1, which attention reads in place: new samples take
+the next slots, and a finished sample's slot is refilled by moving the last one down.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from multispec.engine.cache import KVCache, CacheShape
+from multispec.engine.request import Request, Sample
+
+SAMPLE_CAPACITY = 512
+PROMPT_CAPACITY = 1024
+"""Slot capacities (tokens) a layout grows to when everything waiting fits with room to spare,
+so that requests arriving later (a server's) rarely find the layout too small. Memory is only
+touched where slots are used, so room left in a slot costs nothing resident."""
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_model_len: int):
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Sample] = []
+        """Live samples in slot order."""
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could not run even alone in the whole cache."""
+        tokens = request.n * request.sample_need + request.prompt_len
+        if tokens > self.cache.capacity:
+            per_token = self.cache.token_elements * 2 * self.cache.k_store.element_size()
+            raise ValueError(
+                f"request needs {tokens * per_token / (1 << 30):.2f} GiB of KV cache (n={request.n} samples x "
+                f"{request.sample_need} tokens + a {request.prompt_len}-token prompt) but the cap is "
+                f"kv_cache_memory={self.cache.capacity * per_token / (1 << 30):.2f} GiB; lower n or max_tokens, "
+                f"or raise the cap")
+
+    def fits_layout(self, request: Request) -> bool:
+        shape = self.cache.shape
+        return (shape is not None and request.prompt_len <= shape.prompt_capacity
+                and request.sample_need <= shape.sample_capacity and request.n <= shape.sample_slots)
+
+    def idle(self) -> bool:
+        """No slot in use: the cache may be laid out again."""
+        shape = self.cache.shape
+        return not self.slots and (shape is None or len(self.cache.free_prompt_slots) == shape.prompt_slots)
+
+    def admit(self) -> list[Request]:
+        """Waiting requests that get their slots now, in arrival order; each has its prompt slot
+        and its sample slots ``len(slots) ..`` ready (the caller creates and places the samples)."""
+        admitted: list[Request] = []
+        reserved = 0
+        while self.waiting:
+            head = self.waiting[0]
+            if not self.fits_layout(head):
+                if admitted or not self.idle():
+                    break
+                self.cache.layout(self.plan())
+            if not self.cache.free_prompt_slots or len(self.slots) + reserved + head.n > self.cache.shape.sample_slots:
+                break
+            self.waiting.popleft()
+            head.prompt_slot = self.cache.take_prompt_slot()
+            first = len(self.slots) + reserved
+            self.cache.ready_sample_slots(first, first + head.n)
+            reserved += head.n
+            admitted.append(head)
+        return admitted
+
+    def plan(self) -> CacheShape:
+        """A layout for the waiting requests: capacities for the largest of them, slots for as many
+        as fit in arrival order (at least the first), and the rest of the cache as more slots in
+        the same proportion of prompts to samples. When they all fit, capacities grow toward
+        ``SAMPLE_CAPACITY`` and ``PROMPT_CAPACITY`` as far as they all still fit."""
+        waiting = list(self.waiting)
+        room = self.cache.capacity
+        need_s = max(r.sample_need for r in waiting)
+        need_p = max(r.prompt_len for r in waiting)
+        samples, prompts = 0, 0
+        for request in waiting:
+            if prompts and (samples + request.n) * need_s + (prompts + 1) * need_p > room:
+                break
+            samples, prompts = samples + request.n, prompts + 1
+        cs, cp = need_s, need_p
+        if prompts == len(waiting):
+            grown = (max(need_s, min(SAMPLE_CAPACITY, self.max_model_len)), max(need_p, min(PROMPT_CAPACITY, self.max_model_len)))
+            if samples * grown[0] + prompts * grown[1] <= room:
+                cs, cp = grown
+        ratio = prompts / samples
+        extra = int((room - samples * cs - prompts * cp) // (cs + ratio * cp))
+        shape = CacheShape(samples + extra, cs, prompts + int(extra * ratio), cp)
+        return shape if shape.tokens() <= room else CacheShape(samples, cs, prompts, cp)
+
+    def place(self, samples: list[Sample]) -> None:
+        self.slots.extend(samples)
+
+    def retire(self) -> list[Sample]:
+        """Drop finished samples, keeping the live ones packed in slots 0..B-1, and free the prompt
+        slot of every request whose last sample went; returns the dropped samples."""
+        finished = [b for b, s in enumerate(self.slots) if s.finished]
+        dropped = []
+        for b in reversed(finished):
+            sample = self.slots[b]
+            last = len(self.slots) - 1
+            if b != last:
+                self.cache.move_sample(last, b, self.slots[last].cached)
+                self.slots[b] = self.slots[last]
+            self.slots.pop()
+            dropped.append(sample)
+            request = sample.request
+            request.unfinished -= 1
+            if request.unfinished == 0:
+                self.cache.release_prompt_slot(request.prompt_slot)
+        return dropped

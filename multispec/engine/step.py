@@ -1,0 +1,215 @@
+"""One decode step's data path: pack every sample's root and draft tree, verify them all at once,
+commit what was accepted.
+
+No padding anywhere but the attention masks: the forward sees exactly each sample's root plus its
+draft nodes, and each sample's cache advances by its own accepted length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from multispec.drafters import DraftTree
+from multispec.engine.attention import StepLayout
+from multispec.engine.cache import KVCache
+from multispec.engine.request import Request, Sample
+from multispec.engine.sampler import target_probs
+from multispec.verify import PositionKeys, verify_tree
+
+
+@dataclass
+class Step:
+    """The packed inputs of one decode step, with what verification and commit need back."""
+
+    samples: list[Sample]
+    trees: list[DraftTree]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: StepLayout
+    row_offsets: list[int]
+
+
+@dataclass
+class Verified:
+    """One sample's outcome: the accepted path (local node indices), the bonus token, the target's
+    probability of each token it appends (path, then bonus) and, where the drafter asked, the
+    target's most likely tokens at each of those positions."""
+
+    path: list[int]
+    bonus: int
+    token_probs: list[float]
+    alternatives: list | None
+
+
+def pack(samples: list[Sample], trees: list[DraftTree], device: torch.device) -> Step:
+    """Concatenate every sample's root and draft nodes, with the tree masks attention needs."""
+    counts = [1 + len(t.tokens) for t in trees]
+    qmax = max(counts)
+    tree_mask = torch.zeros(len(samples), qmax, qmax, dtype=torch.bool)
+    tokens, positions, offsets = [], [], []
+    offset = 0
+    for b, (sample, tree) in enumerate(zip(samples, trees)):
+        base = sample.request.prompt_len + sample.cached
+        depth = [0]
+        tree_mask[b, 0, 0] = True
+        for j, parent in enumerate(tree.parents):
+            depth.append(depth[parent + 1] + 1)
+            tree_mask[b, j + 1] = tree_mask[b, parent + 1]
+            tree_mask[b, j + 1, j + 1] = True
+        tokens.append(sample.root)
+        tokens.extend(tree.tokens)
+        positions.extend(base + d for d in depth)
+        offsets.append(offset)
+        offset += counts[b]
+    layout = StepLayout(
+        counts=torch.tensor(counts),
+        written=torch.tensor([s.cached for s in samples]),
+        prompt_slot=torch.tensor([s.request.prompt_slot for s in samples]),
+        prompt_len=torch.tensor([s.request.prompt_len for s in samples]),
+        tree_mask=tree_mask,
+    )
+    return Step(samples, trees, torch.tensor(tokens, device=device), torch.tensor(positions, device=device), layout,
+                offsets)
+
+
+def position_keys(samples: list[Sample]) -> PositionKeys:
+    """Each sample's key and the output position its next token takes."""
+    return PositionKeys(np.array([s.key for s in samples], dtype=np.uint64),
+                        np.array([len(s.output_ids) for s in samples], dtype=np.int64))
+
+
+def sampling_rows(requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top-k and top-p of the given rows' requests."""
+    return (torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device),
+            torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=device),
+            torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device))
+
+
+def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) -> list[Verified]:
+    """Verify every sample of the step: one batched call per verification scheme in the step (one
+    when the requests share their speculation settings).
+
+    Each sample's random numbers are keyed by its own seed, index and output positions, so sharing
+    a call with other requests changes nothing for any of them. Greedy requests' rows are one-hot,
+    which every scheme follows exactly, so they join whichever call there is."""
+    samples, trees = step.samples, step.trees
+    device = logits.device
+    counts = [1 + len(t.tokens) for t in trees]
+    rows = torch.tensor(counts, device=device)
+    probs = target_probs(logits, *(x.repeat_interleave(rows) for x in sampling_rows([s.request for s in samples], device)))
+    groups: dict[str, list[int]] = {}
+    for b, sample in enumerate(samples):
+        groups.setdefault(sample.request.scheme, []).append(b)
+    if len(groups) > 1 and "greedy" in groups:
+        greedy = groups.pop("greedy")
+        groups[next(iter(groups))] += greedy
+    paths: list[list[int]] = [[]] * len(samples)
+    bonus: list[int] = [0] * len(samples)
+    for scheme, members in groups.items():
+        members.sort()
+        if len(members) == len(samples):
+            member_probs = probs
+        else:
+            member_probs = probs[torch.tensor([step.row_offsets[b] + i for b in members for i in range(counts[b])],
+                                              device=device)]
+        chosen = [trees[b] for b in members]
+        node_tokens = torch.tensor([t for tree in chosen for t in tree.tokens], dtype=torch.long, device=device)
+        node_parents = torch.tensor([p for tree in chosen for p in tree.parents], dtype=torch.long, device=device)
+        node_offsets = torch.tensor(np.cumsum([0] + [len(tree.tokens) for tree in chosen]), dtype=torch.long,
+                                    device=device)
+        drafted = [tree.q for tree in chosen if tree.tokens]
+        q = torch.cat(drafted).to(device) if drafted and all(d is not None for d in drafted) else None
+        # The engine builds these tensors itself, so the input checks are skipped here.
+        out = verify_tree(member_probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
+                          rng=position_keys([samples[b] for b in members]), validate=False)
+        for k, b in enumerate(members):
+            paths[b] = out.accepted_nodes[k]
+        for b, token in zip(members, out.bonus_token.tolist()):
+            bonus[b] = token
+    # The target's probability of every token each sample appends (accepted nodes, then the
+    # bonus at the last of them), for the drafter: one gather for the step.
+    flat_rows, flat_tokens = [], []
+    for b, tree in enumerate(trees):
+        tokens, local = appended(tree, paths[b], bonus[b])
+        flat_rows += [step.row_offsets[b] + r for r in local]
+        flat_tokens += tokens
+    token_probs = probs[torch.tensor(flat_rows, device=device), torch.tensor(flat_tokens, device=device)].tolist()
+    top = most_likely(probs, flat_rows, token_probs, *alternatives)
+    results, start = [], 0
+    for b in range(len(samples)):
+        end = start + 1 + len(paths[b])
+        results.append(Verified(paths[b], bonus[b], token_probs[start:end], None if top is None else top[start:end]))
+        start = end
+    return results
+
+
+def commit(step: Step, logits: torch.Tensor, results: list[Verified], cache: KVCache) -> list[int]:
+    """Append each sample's accepted tokens and bonus (up to its stop), move accepted tree nodes
+    into place in its cache slot; returns the number of tokens each sample kept."""
+    device = logits.device
+    # Log-probabilities of every appended token in one gather over the packed rows.
+    taken = [appended(tree, r.path, r.bonus) for tree, r in zip(step.trees, results)]
+    flat_rows = torch.tensor([step.row_offsets[b] + r for b, (_, rows) in enumerate(taken) for r in rows],
+                             device=device)
+    flat_tokens = torch.tensor([t for tokens, _ in taken for t in tokens], device=device)
+    logsumexp = torch.logsumexp(logits, -1)
+    token_logprobs = (logits[flat_rows, flat_tokens] - logsumexp[flat_rows]).tolist()
+    move_slots, move_src, move_dst = [], [], []
+    kept = []
+    offset = 0
+    for b, sample in enumerate(step.samples):
+        path = results[b].path
+        tokens, _ = taken[b]
+        for k, j in enumerate(path):
+            if j != k:
+                move_slots.append(b)
+                move_src.append(sample.cached + 1 + j)
+                move_dst.append(sample.cached + 1 + k)
+        sample.cached += 1 + len(path)
+        rows = None
+        if sample.request.params.logprobs:
+            picked = flat_rows[offset: offset + len(tokens)]
+            rows = logits[picked] - logsumexp[picked, None]
+        kept.append(sample.append(tokens, token_logprobs[offset: offset + len(tokens)], rows))
+        offset += len(tokens)
+    cache.keep_paths(*(torch.tensor(index, dtype=torch.long, device=device)
+                       for index in (move_slots, move_src, move_dst)))
+    return kept
+
+
+def appended(tree: DraftTree, path: list[int], bonus: int) -> tuple[list[int], list[int]]:
+    """The tokens a sample appends (its accepted nodes, then the bonus) and, for each, the row of
+    the sample's forward rows (0 = its last token, 1 + j = node j) whose distribution it follows."""
+    return [tree.tokens[j] for j in path] + [bonus], [0] + [1 + j for j in path]
+
+
+def most_likely(probs: torch.Tensor, rows: list[int], token_probs: list[float], k: int,
+                floor: float) -> list[tuple[list[int], list[float]] | None] | None:
+    """For each of ``rows`` (whose sampled token has probability ``token_probs[i]``), the ``k``
+    most likely tokens and their probabilities; None for all if k is 0, and None for a row where
+    the sampled token leaves less than ``floor`` to every other token (nothing the drafter keeps).
+
+    A full-vocabulary top-k costs a few percent of a big compute-bound step on a CPU, so it runs
+    only on the rows that can have an alternative, once per distinct row (a prefill's n samples
+    share one), and on ``probs`` in place when that is all of them."""
+    if k <= 0:
+        return None
+    out: list[tuple[list[int], list[float]] | None] = [None] * len(rows)
+    wanted = [i for i, p in enumerate(token_probs) if 1.0 - p >= floor]
+    if not wanted:
+        return out
+    distinct = sorted({rows[i] for i in wanted})
+    if distinct == list(range(probs.shape[0])):
+        values, tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    else:
+        chosen = torch.tensor(distinct, device=probs.device)
+        values, tokens = probs.index_select(0, chosen).topk(min(k, probs.shape[-1]), dim=-1)
+    where = {row: j for j, row in enumerate(distinct)}
+    tokens, values = tokens.tolist(), values.tolist()
+    for i in wanted:
+        j = where[rows[i]]
+        out[i] = (tokens[j], values[j])
+    return out

@@ -1,0 +1,94 @@
+"""Admission in arrival order, slot layouts planned for what waits, and refusal of what never fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multispec.engine.cache import KVCache
+from multispec.engine.request import Request, Sample
+from multispec.engine.scheduler import PROMPT_CAPACITY, SAMPLE_CAPACITY, Scheduler
+from multispec.models.config import ModelConfig
+from multispec.params import RequestOutputKind, SamplingParams, SpecConfig
+
+CONFIG = ModelConfig.from_hf_dict(dict(
+    architectures=["LlamaForCausalLM"], vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096))
+
+
+def request(n: int, prompt: int, need: int, name: str = "r") -> Request:
+    return Request(name, None, [1] * prompt, SamplingParams(n=n), SpecConfig(), need - 1, 0, frozenset(), frozenset(),
+                   RequestOutputKind.FINAL_ONLY, "deterministic", (), need)
+
+
+def scheduler(tokens: int) -> Scheduler:
+    return Scheduler(KVCache(CONFIG, tokens, torch.float32), max_model_len=4096)
+
+
+def run(s: Scheduler, admitted: list[Request]) -> None:
+    """Give the admitted requests their live samples, as the engine does after a prefill."""
+    for r in admitted:
+        r.samples = [Sample(r, i, i, 0, output_ids=[1]) for i in range(r.n)]
+        r.unfinished = r.n
+        s.place(r.samples)
+
+
+def finish(s: Scheduler, r: Request) -> None:
+    for sample in r.samples:
+        sample.finish("stop")
+    s.retire()
+
+
+def test_a_request_that_never_fits_is_refused():
+    s = scheduler(1000)
+    s.check_fits(request(4, 200, 200))
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        s.check_fits(request(4, 201, 200))
+
+
+def test_the_plan_fits_everything_waiting_and_fills_the_cache():
+    s = scheduler(100_000)
+    s.waiting.extend([request(16, 300, 263), request(16, 120, 263)])
+    shape = s.plan()
+    assert shape.tokens() <= 100_000
+    assert (shape.sample_capacity, shape.prompt_capacity) == (SAMPLE_CAPACITY, PROMPT_CAPACITY)  # room to grow
+    assert shape.sample_slots >= 32 and shape.prompt_slots >= 2
+    assert shape.prompt_slots / shape.sample_slots == pytest.approx(2 / 32, rel=0.1)
+
+
+def test_a_tight_plan_sizes_slots_exactly_and_takes_the_queue_in_order():
+    s = scheduler(4 * 263 + 300 + 8 * 263)  # the first two requests fit, the third not with them
+    s.waiting.extend([request(4, 300, 263), request(4, 100, 263), request(8, 100, 263)])
+    shape = s.plan()
+    assert (shape.sample_capacity, shape.prompt_capacity) == (263, 300)
+    assert 8 <= shape.sample_slots < 16 and shape.prompt_slots == 2 and shape.tokens() <= s.cache.capacity
+
+
+def test_admission_is_first_come_first_served_and_respects_both_kinds_of_slot():
+    s = scheduler(12 * 100 + 3 * 50)
+    a, b, c, d = (request(4, 50, 100, name) for name in "abcd")
+    s.waiting.extend([a, b, c, d])
+    s.cache.layout(s.plan())
+    first = s.admit()
+    assert first == [a, b, c] and list(s.waiting) == [d]  # three prompt slots, twelve sample slots
+    run(s, first)
+    for sample in b.samples[:2]:  # two samples finish: sample slots free up, no prompt slot does
+        sample.finish("stop")
+    s.retire()
+    assert s.admit() == [] and len(s.slots) == 10
+    finish(s, b)
+    assert s.admit() == [d]
+    assert [x.request for x in s.slots[:4]] == [a] * 4 and len(s.slots) == 8
+
+
+def test_a_request_too_big_for_the_layout_waits_for_the_engine_to_drain():
+    s = scheduler(10_000)
+    small, big, after = request(2, 20, 50, "small"), request(2, 2000, 50, "big"), request(1, 10, 10, "after")
+    s.waiting.append(small)
+    run(s, s.admit())
+    assert s.cache.shape.prompt_capacity == PROMPT_CAPACITY
+    s.waiting.extend([big, after])
+    assert s.admit() == []  # big needs a larger prompt slot; after waits behind it
+    finish(s, small)
+    assert s.admit() == [big, after]  # laid out again, for both
+    assert s.cache.shape.prompt_capacity >= 2000
