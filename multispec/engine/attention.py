@@ -34,8 +34,8 @@ class PrefillAttention:
             end = start + length
             kk = k[start:end].transpose(0, 1)
             vv = v[start:end].transpose(0, 1)
-            self.cache.prompt_k[slot, layer, :, :length] = kk
-            self.cache.prompt_v[slot, layer, :, :length] = vv
+            self.cache.prompt_k[layer, slot, :, :length] = kk
+            self.cache.prompt_v[layer, slot, :, :length] = vv
             out = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), kk, vv, is_causal=True, enable_gqa=True
             )
@@ -112,8 +112,8 @@ class DecodeAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        cache.sample_k[self.row_sample, layer, :, self.row_cache_pos] = k
-        cache.sample_v[self.row_sample, layer, :, self.row_cache_pos] = v
+        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
+        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
         q = q * q.shape[-1] ** -0.5
         if len(self.parts) == 1:
             return self.parts[0].attend(layer, q)
@@ -216,11 +216,11 @@ class _Part:
             size, kv_heads, rows, dim)
 
         if self.contiguous:
-            own_k = cache.sample_k[:size, layer, :, : self.key_len]
-            own_v = cache.sample_v[:size, layer, :, : self.key_len]
+            own_k = cache.sample_k[layer, :size, :, : self.key_len]
+            own_v = cache.sample_v[layer, :size, :, : self.key_len]
         else:
-            own_k = cache.sample_k[:, layer, :, : self.key_len].index_select(0, self.members)
-            own_v = cache.sample_v[:, layer, :, : self.key_len].index_select(0, self.members)
+            own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
+            own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
         own_scores = q_rows @ own_k.transpose(-1, -2)                          # [P, kvh, G*W, K]
         own_scores = own_scores.view(size, kv_heads, group, width, self.key_len) + self.bias[:, None, None]
         own_scores = own_scores.view(size, kv_heads, rows, self.key_len)
@@ -233,16 +233,16 @@ class _Part:
         plen = self.prompt_len
         if self.single:
             slot = self.single_slot
-            pk = cache.prompt_k[slot: slot + 1, layer, :, :plen]
-            pv = cache.prompt_v[slot: slot + 1, layer, :, :plen]
+            pk = cache.prompt_k[layer, slot: slot + 1, :, :plen]
+            pv = cache.prompt_v[layer, slot: slot + 1, :, :plen]
             qg = q_rows.transpose(0, 1).reshape(1, kv_heads, size * rows, dim)
         elif self.one_each:
-            pk = cache.prompt_k[self.group_slots, layer, :, :plen]
-            pv = cache.prompt_v[self.group_slots, layer, :, :plen]
+            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
+            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
             qg = q_rows
         else:
-            pk = cache.prompt_k[self.group_slots, layer, :, :plen]
-            pv = cache.prompt_v[self.group_slots, layer, :, :plen]
+            pk = cache.prompt_k[layer, self.group_slots, :, :plen]
+            pv = cache.prompt_v[layer, self.group_slots, :, :plen]
             qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
             qg[self.sample_group, self.sample_member] = q_rows
             qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)

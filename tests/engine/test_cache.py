@@ -22,8 +22,8 @@ def labelled_cache() -> KVCache:
     cache.layout(shape)
     positions = torch.arange(10, dtype=torch.float32)
     slots = torch.arange(3, dtype=torch.float32)[:, None] * 100
-    cache.sample_k[:] = (slots + positions)[:, None, None, :, None]
-    cache.sample_v[:] = -(slots + positions)[:, None, None, :, None]
+    cache.sample_k[:] = (slots + positions)[None, :, None, :, None]
+    cache.sample_v[:] = -(slots + positions)[None, :, None, :, None]
     return cache
 
 
@@ -31,24 +31,24 @@ def test_keep_paths_moves_accepted_nodes_into_place_for_every_layer():
     cache = labelled_cache()
     # Slot 1 accepted nodes at cache positions 6 and 8 -> they become positions 4 and 5.
     cache.keep_paths(torch.tensor([1, 1]), torch.tensor([6, 8]), torch.tensor([4, 5]))
-    assert cache.sample_k[1, :, :, 4, 0].eq(106).all() and cache.sample_k[1, :, :, 5, 0].eq(108).all()
-    assert cache.sample_v[1, :, :, 4, 0].eq(-106).all() and cache.sample_v[1, :, :, 5, 0].eq(-108).all()
+    assert cache.sample_k[:, 1, :, 4, 0].eq(106).all() and cache.sample_k[:, 1, :, 5, 0].eq(108).all()
+    assert cache.sample_v[:, 1, :, 4, 0].eq(-106).all() and cache.sample_v[:, 1, :, 5, 0].eq(-108).all()
     # Untouched: other positions and other slots.
-    assert cache.sample_k[1, :, :, 3, 0].eq(103).all() and cache.sample_k[0, :, :, 4, 0].eq(4).all()
+    assert cache.sample_k[:, 1, :, 3, 0].eq(103).all() and cache.sample_k[:, 0, :, 4, 0].eq(4).all()
 
 
 def test_move_sample_copies_only_the_used_prefix():
     cache = labelled_cache()
     cache.move_sample(2, 0, length=5)
-    assert cache.sample_k[0, :, :, :5, 0].eq(torch.arange(200, 205, dtype=torch.float32)).all()
-    assert cache.sample_k[0, :, :, 5, 0].eq(5).all()
+    assert cache.sample_k[:, 0, :, :5, 0].eq(torch.arange(200, 205, dtype=torch.float32)).all()
+    assert cache.sample_k[:, 0, :, 5, 0].eq(5).all()
 
 
 def test_memory_is_zeroed_on_first_use_only_where_slots_are_handed_out(monkeypatch):
     """The storage is allocated once and never filled as a whole: a slot handed out reads zeros,
     slots never used are not touched (here: still the NaN planted before), and memory once zeroed
     is not zeroed again when the slots are laid out anew (what the old layout wrote stays)."""
-    monkeypatch.setattr(cache_module, "CHUNK", 1024)  # a slot here is 4096 elements: four chunks
+    monkeypatch.setattr(cache_module, "CHUNK", 1024)  # a slot here is 2048 elements per layer: two chunks
     shape = CacheShape(64, 256, 4, 256)
     cache = KVCache(CONFIG, shape.tokens(), torch.float32)
     cache.k_store.fill_(math.nan)
@@ -56,11 +56,11 @@ def test_memory_is_zeroed_on_first_use_only_where_slots_are_handed_out(monkeypat
     cache.layout(shape)
     cache.ready_sample_slots(0, 8)
     slot = cache.take_prompt_slot()
-    assert not cache.sample_k[:8].isnan().any() and not cache.prompt_k[slot].isnan().any()
-    assert cache.sample_k[16:].isnan().all()
-    cache.sample_k[0].fill_(7.0)
+    assert not cache.sample_k[:, :8].isnan().any() and not cache.prompt_k[:, slot].isnan().any()
+    assert cache.sample_k[:, 16:].isnan().all()
+    cache.sample_k[:, 0].fill_(7.0)
     cache.release_prompt_slot(slot)
-    cache.layout(CacheShape(30, 512, 8, 256))  # the old first sample slot is now prompt slot 4
+    cache.layout(CacheShape(30, 512, 8, 256))  # where the old sample slots were, prompt slots are now
     cache.ready_sample_slots(0, 30)
     assert not cache.sample_k.isnan().any() and bool((cache.k_store == 7.0).any())
 
