@@ -99,6 +99,8 @@ class LLM:
         _check_spec(spec)
         check_bool("use_tqdm", use_tqdm)
         spec = spec or self.spec
+        if self.engine.driver is not None:
+            raise RuntimeError(f"this LLM's engine is stepped by {self.engine.driver}; use that, or shut it down")
         requests = [self.engine.make_request(f"generate-{next(self._ids)}", ids, sp, spec, prompt=text,
                                              output_kind=RequestOutputKind.FINAL_ONLY, name=f"prompt {i}")
                     for i, (ids, sp, text) in enumerate(zip(token_ids, params, texts))]

@@ -30,6 +30,9 @@ class AsyncLLM:
     def __init__(self, llm: LLM | None = None, **llm_options):
         self.llm = llm if llm is not None else LLM(**llm_options)
         self.engine = self.llm.engine
+        if self.engine.driver is not None:
+            raise ValueError(f"this LLM's engine is already stepped by {self.engine.driver}")
+        self.engine.driver = "an AsyncLLM"
         self.tokenizer = self.llm.tokenizer
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,6 +105,9 @@ class AsyncLLM:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self.engine.driver = None
 
     def __enter__(self) -> AsyncLLM:
         return self

@@ -90,8 +90,11 @@ def test_bad_requests_raise_when_read_and_the_loop_stays_healthy(tiny):
                                                               output_kind=RequestOutputKind.CUMULATIVE)]
             assert len(cumulative[-1].outputs[0].token_ids) == 5
             assert async_llm.healthy
+            with pytest.raises(RuntimeError, match="AsyncLLM"):  # one driver at a time
+                tiny.generate([[5, 6]], SamplingParams())
         finally:
             async_llm.shutdown()
 
     asyncio.run(main())
     assert not tiny.engine.has_unfinished_requests()
+    assert tiny.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids

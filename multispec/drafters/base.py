@@ -90,7 +90,8 @@ class Drafter(Protocol):
         position where none can reach ``min_alternative``)."""
 
     def remove(self, sample_id: int) -> None:
-        """The sample finished: it stops proposing but its text stays a source for its siblings."""
+        """The sample finished: it stops proposing but its text stays a source for its siblings.
+        An id the drafter does not know (its request failed before it was added) is ignored."""
 
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:

@@ -101,7 +101,7 @@ class SuffixDrafter:
         sample.index.add(sample.text, start + 1)
 
     def remove(self, sample_id: int) -> None:
-        del self._samples[sample_id]
+        self._samples.pop(sample_id, None)
 
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:

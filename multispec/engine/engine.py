@@ -87,6 +87,8 @@ class LLMEngine:
         self.stats = RunStats()
         """Running totals since the engine was built."""
         self.step_observers: list[Callable[[StepReport], None]] = []
+        self.driver: str | None = None
+        """Who steps the engine from another thread (an ``AsyncLLM``), if anyone."""
         self._changed: dict[str, Request] = {}
         self._next_sample_id = 0
 
@@ -381,7 +383,9 @@ class LLMEngine:
     def _retire(self) -> None:
         for sample in self.scheduler.retire():
             self.stats.finished_samples += 1
-            self.lanes[sample.request.lane].drafter.remove(sample.sample_id)
+            lane = self.lanes.get(sample.request.lane)
+            if lane is not None:  # None only where building the lane failed the request
+                lane.drafter.remove(sample.sample_id)
 
     # ------------------------------------------------------------------ teacher forcing
     def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:

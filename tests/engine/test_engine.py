@@ -197,6 +197,26 @@ def test_a_failing_request_ends_with_its_error_and_the_others_complete(engine, p
     assert [c.token_ids for c in run(engine)["plain"][-1].outputs] == [c.token_ids for c in ok.outputs]
 
 
+class FailingAtAdmission(ConsensusDrafter):
+    """Raises when told about a prompt whose first token is 399 (a request's prefill bookkeeping)."""
+
+    def add_group(self, group_id, prompt_ids, sample_ids):
+        if prompt_ids[0] == 399:
+            raise ValueError("cannot index this prompt")
+        super().add_group(group_id, prompt_ids, sample_ids)
+
+
+def test_a_request_failing_in_its_prefill_fails_alone(engine, prompt, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "failing-at-admission", FailingAtAdmission)
+    spec = SpecConfig(drafter="failing-at-admission", max_draft_tokens=3, max_draft_nodes=3, adaptive=False)
+    engine.add_request("good", prompt, params(), spec)
+    engine.add_request("bad", [399] + prompt, params(), spec)
+    seen = run(engine)
+    assert "cannot index this prompt" in seen["bad"][-1].error and seen["bad"][-1].finished
+    assert seen["good"][-1].error is None and [len(c.token_ids) for c in seen["good"][-1].outputs] == [20] * 4
+    assert not engine.scheduler.slots and not engine.requests
+
+
 def test_step_observers_see_every_decode_step(engine, prompt):
     reports: list[StepReport] = []
     engine.step_observers.append(reports.append)
