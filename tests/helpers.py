@@ -18,9 +18,7 @@ def new_cache(model, samples: int = 4, capacity: int = 64, prompts: int = 2, pro
     shape = CacheShape(samples, capacity, prompts, prompt_capacity)
     cache = KVCache(model.config, shape.tokens(), weight.dtype, weight.device)
     cache.layout(shape)
-    cache.ready_sample_slots(0, samples)
-    for _ in range(prompts):
-        cache.take_prompt_slot()
+    cache.ready(samples, capacity, [cache.take_prompt_slot() for _ in range(prompts)], prompt_capacity)
     return cache
 
 

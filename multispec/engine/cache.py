@@ -8,11 +8,13 @@ the requests it has.
 
 Layer-major ([layer, slot, kv_head, position, dim]), so that one layer's slots form one strided
 block that attention's batched matrix products read in place (slot-major made them copy every
-step: 3.5x slower). A slot's memory is zeroed the first time the slot is handed out, chunk by
-chunk, so resident memory grows with the slots actually used, not with the cap. Zeroed, not left
-as it was: attention reads masked positions too (as 0 * value), and uninitialised memory can hold
-NaN, which a zero weight does not cancel. Memory once zeroed only ever holds zeros or keys and
-values a forward wrote, so it never needs zeroing again.
+step: 3.5x slower). Memory is zeroed only as far as it can be read: attention reads every slot of
+a step up to the longest sample of the step (masked, as 0 * value), so sample slots in use are
+zeroed up to the longest sample any live request may write, and prompt slots up to the longest
+live prompt, when requests are admitted. Resident memory therefore follows what the requests
+need, not the slots' capacity. Zeroed, not left as it was, because uninitialised memory can hold
+NaN, which a zero weight does not cancel; memory once zeroed only ever holds zeros or keys and
+values a forward wrote.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import torch
 from multispec.models.config import ModelConfig
 
 GIB = 1 << 30
-CHUNK = 1 << 20
-"""Elements zeroed at a time on first use."""
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -62,7 +62,6 @@ class KVCache:
         total = capacity * self.token_elements
         self.k_store = torch.empty(total, dtype=dtype, device=device)
         self.v_store = torch.empty(total, dtype=dtype, device=device)
-        self._zeroed = bytearray((total + CHUNK - 1) // CHUNK)
         self.shape: CacheShape | None = None
         self.free_prompt_slots: list[int] = []
 
@@ -71,45 +70,29 @@ class KVCache:
         if shape.tokens() > self.capacity:
             raise ValueError(f"cache layout needs {shape.tokens()} tokens, room for {self.capacity}")
         layers, heads, dim = self.dims
-        # Elements of one slot in one layer, and of one layer of all slots, per kind of slot.
-        self._prompt_slot = heads * shape.prompt_capacity * dim
-        self._sample_slot = heads * shape.sample_capacity * dim
-        self._prompt_layer = shape.prompt_slots * self._prompt_slot
-        self._sample_layer = shape.sample_slots * self._sample_slot
-        split = layers * self._prompt_layer
-        end = split + layers * self._sample_layer
+        split = shape.prompt_slots * shape.prompt_capacity * self.token_elements
+        end = split + shape.sample_slots * shape.sample_capacity * self.token_elements
         prompt = (layers, shape.prompt_slots, heads, shape.prompt_capacity, dim)
         sample = (layers, shape.sample_slots, heads, shape.sample_capacity, dim)
         self.prompt_k, self.prompt_v = self.k_store[:split].view(prompt), self.v_store[:split].view(prompt)
         self.sample_k, self.sample_v = self.k_store[split:end].view(sample), self.v_store[split:end].view(sample)
-        self._split = split
         self.shape = shape
         self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
-
-    def _ready(self, base: int, layer_stride: int, start: int, end: int) -> None:
-        """Zero the never-zeroed chunks of elements [start, end) past ``base`` in every layer. A
-        chunk never zeroed overlaps no slot in use (a slot is made ready when handed out), so
-        zeroing it whole is safe."""
-        for layer in range(self.dims[0]):
-            lo = base + layer * layer_stride
-            for chunk in range((lo + start) // CHUNK, (lo + end + CHUNK - 1) // CHUNK):
-                if not self._zeroed[chunk]:
-                    first, last = chunk * CHUNK, min((chunk + 1) * CHUNK, self.k_store.numel())
-                    self.k_store[first:last].zero_()
-                    self.v_store[first:last].zero_()
-                    self._zeroed[chunk] = 1
+        # Positions zeroed (or written) so far in each slot of this layout.
+        self._prompt_ready = [0] * shape.prompt_slots
+        self._sample_ready = [0] * shape.sample_slots
 
     def take_prompt_slot(self) -> int:
-        slot = self.free_prompt_slots.pop()
-        self._ready(0, self._prompt_layer, slot * self._prompt_slot, (slot + 1) * self._prompt_slot)
-        return slot
+        return self.free_prompt_slots.pop()
 
     def release_prompt_slot(self, slot: int) -> None:
         self.free_prompt_slots.append(slot)
 
-    def ready_sample_slots(self, first: int, stop: int) -> None:
-        """Make sample slots ``first .. stop - 1`` safe to read before they are handed out."""
-        self._ready(self._split, self._sample_layer, first * self._sample_slot, stop * self._sample_slot)
+    def ready(self, sample_slots: int, sample_length: int, prompt_slots: list[int], prompt_length: int) -> None:
+        """Make sample slots ``0 .. sample_slots - 1`` readable up to ``sample_length`` positions
+        and the given prompt slots up to ``prompt_length``, zeroing what was never zeroed."""
+        _zero_up_to(self.sample_k, self.sample_v, self._sample_ready, list(range(sample_slots)), sample_length)
+        _zero_up_to(self.prompt_k, self.prompt_v, self._prompt_ready, prompt_slots, prompt_length)
 
     def move_sample(self, src: int, dst: int, length: int) -> None:
         """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""
@@ -127,3 +110,20 @@ class KVCache:
             return
         self.sample_k[:, slots, :, dst] = self.sample_k[:, slots, :, src]
         self.sample_v[:, slots, :, dst] = self.sample_v[:, slots, :, src]
+
+
+def _zero_up_to(k: torch.Tensor, v: torch.Tensor, ready: list[int], slots: list[int], length: int) -> None:
+    """Zero positions ``ready[slot] .. length - 1`` of each slot (runs of neighbouring slots with
+    the same starting point at once)."""
+    todo = sorted(slot for slot in slots if ready[slot] < length)
+    i = 0
+    while i < len(todo):
+        j = i + 1
+        while j < len(todo) and todo[j] == todo[j - 1] + 1 and ready[todo[j]] == ready[todo[i]]:
+            j += 1
+        first, stop, start = todo[i], todo[j - 1] + 1, ready[todo[i]]
+        k[:, first:stop, :, start:length].zero_()
+        v[:, first:stop, :, start:length].zero_()
+        for slot in range(first, stop):
+            ready[slot] = length
+        i = j

@@ -398,7 +398,7 @@ class LLMEngine:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         cache = KVCache(self.model.config, len(token_ids), self.dtype, self.device)
         cache.layout(CacheShape(0, 0, 1, len(token_ids)))
-        slot = cache.take_prompt_slot()
+        slot = cache.take_prompt_slot()  # prefill reads only what it writes: nothing to zero
         with torch.inference_mode():
             ids = torch.tensor(token_ids, device=self.device)
             return self.model(ids, torch.arange(len(token_ids), device=self.device),

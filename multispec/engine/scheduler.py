@@ -22,7 +22,8 @@ SAMPLE_CAPACITY = 512
 PROMPT_CAPACITY = 1024
 """Slot capacities (tokens) a layout grows to when everything waiting fits with room to spare,
 so that requests arriving later (a server's) rarely find the layout too small. Memory is only
-touched where slots are used, so room left in a slot costs nothing resident."""
+touched as far as live requests can read (see ``KVCache``), so room left in a slot costs nothing
+resident."""
 
 
 class Scheduler:
@@ -55,8 +56,8 @@ class Scheduler:
         return not self.slots and (shape is None or len(self.cache.free_prompt_slots) == shape.prompt_slots)
 
     def admit(self) -> list[Request]:
-        """Waiting requests that get their slots now, in arrival order; each has its prompt slot
-        and its sample slots ``len(slots) ..`` ready (the caller creates and places the samples)."""
+        """Waiting requests that get their slots now, in arrival order: each has its prompt slot, and
+        its samples take the next sample slots once the caller creates and places them."""
         admitted: list[Request] = []
         reserved = 0
         while self.waiting:
@@ -69,10 +70,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             head.prompt_slot = self.cache.take_prompt_slot()
-            first = len(self.slots) + reserved
-            self.cache.ready_sample_slots(first, first + head.n)
             reserved += head.n
             admitted.append(head)
+        if admitted:  # what attention may read from now on must be zeroed (see KVCache)
+            live = list({s.request: None for s in self.slots}) + admitted
+            self.cache.ready(len(self.slots) + reserved, max(r.sample_need for r in live),
+                             [r.prompt_slot for r in live], max(r.prompt_len for r in live))
         return admitted
 
     def plan(self) -> CacheShape:

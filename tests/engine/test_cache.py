@@ -7,7 +7,6 @@ import math
 import torch
 
 from multispec.engine.attention import split_step
-from multispec.engine import cache as cache_module
 from multispec.engine.cache import CacheShape, KVCache
 from multispec.models.config import ModelConfig
 
@@ -44,25 +43,24 @@ def test_move_sample_copies_only_the_used_prefix():
     assert cache.sample_k[:, 0, :, 5, 0].eq(5).all()
 
 
-def test_memory_is_zeroed_on_first_use_only_where_slots_are_handed_out(monkeypatch):
-    """The storage is allocated once and never filled as a whole: a slot handed out reads zeros,
-    slots never used are not touched (here: still the NaN planted before), and memory once zeroed
-    is not zeroed again when the slots are laid out anew (what the old layout wrote stays)."""
-    monkeypatch.setattr(cache_module, "CHUNK", 1024)  # a slot here is 2048 elements per layer: two chunks
+def test_memory_is_zeroed_only_as_far_as_it_can_be_read():
+    """The storage is allocated once and never filled as a whole: slots in use read zeros up to
+    the length asked for and are left untouched past it (here: the NaN planted before), and what
+    was zeroed or written is not zeroed again when the readable length grows."""
     shape = CacheShape(64, 256, 4, 256)
     cache = KVCache(CONFIG, shape.tokens(), torch.float32)
     cache.k_store.fill_(math.nan)
     cache.v_store.fill_(math.nan)
     cache.layout(shape)
-    cache.ready_sample_slots(0, 8)
     slot = cache.take_prompt_slot()
-    assert not cache.sample_k[:, :8].isnan().any() and not cache.prompt_k[:, slot].isnan().any()
-    assert cache.sample_k[:, 16:].isnan().all()
-    cache.sample_k[:, 0].fill_(7.0)
-    cache.release_prompt_slot(slot)
-    cache.layout(CacheShape(30, 512, 8, 256))  # where the old sample slots were, prompt slots are now
-    cache.ready_sample_slots(0, 30)
-    assert not cache.sample_k.isnan().any() and bool((cache.k_store == 7.0).any())
+    cache.ready(8, 100, [slot], 50)
+    assert not cache.sample_k[:, :8, :, :100].isnan().any() and not cache.prompt_v[:, slot, :, :50].isnan().any()
+    assert cache.sample_k[:, :8, :, 100:].isnan().all() and cache.sample_v[:, 8:].isnan().all()
+    assert cache.prompt_k[:, slot, :, 50:].isnan().all()
+    cache.sample_k[:, 0, :, :100] = 7.0
+    cache.ready(10, 150, [slot], 50)
+    assert cache.sample_k[:, 0, :, :100].eq(7.0).all() and cache.sample_k[:, 0, :, 100:150].eq(0).all()
+    assert not cache.sample_k[:, :10, :, :150].isnan().any() and cache.sample_k[:, :10, :, 150:].isnan().all()
 
 
 def test_a_step_is_split_only_where_one_part_would_pad_more_rows_than_it_has():
