@@ -195,8 +195,25 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class _SpeculationFigures:
+    """tau and acceptance from the counters ``sample_steps``, ``accepted_tokens``, ``drafted_tokens``."""
+
+    sample_steps: int
+    accepted_tokens: int
+    drafted_tokens: int
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a sample gains per target forward (1.0 for plain decoding)."""
+        return (self.accepted_tokens + self.sample_steps) / self.sample_steps if self.sample_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
 @dataclass
-class RequestMetrics:
+class RequestMetrics(_SpeculationFigures):
     """One request's timeline (``time.monotonic`` seconds) and speculation figures."""
 
     arrival_time: float
@@ -206,15 +223,6 @@ class RequestMetrics:
     sample_steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens a sample of this request gained per target forward."""
-        return (self.accepted_tokens + self.sample_steps) / self.sample_steps if self.sample_steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass
@@ -234,7 +242,7 @@ class RequestOutput:
 
 
 @dataclass
-class RunStats:
+class RunStats(_SpeculationFigures):
     """Counters and timings of the engine (running totals) or of one ``generate`` call (their
     difference over the call); the basis of every speed figure."""
 
@@ -260,15 +268,6 @@ class RunStats:
 
     def copy(self) -> RunStats:
         return replace(self)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens a sample gains per target forward (1.0 for plain decoding)."""
-        return (self.accepted_tokens + self.sample_steps) / self.sample_steps if self.sample_steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def tokens_per_second(self) -> float:
