@@ -1,7 +1,7 @@
 """Do seeded samples depend on what shares their batch, on admission order or on speculation?
 
 The cases that showed they did before randomness was keyed by position, rerun at full size on the
-default model (float32): GSM8K test question 715 (n = 32, T 0.7, 64 tokens, seed 1005) alone twice
+default model in float32: GSM8K test question 715 (n = 32, T 0.7, 64 tokens, seed 1005) alone twice
 and batched with question 711; eight questions x 32 in one call with room for all and through an
 engine whose cache admits them one at a time; four questions x 16 (256 tokens) with the default
 speculation twice against plain sampling. Prints, per comparison, how many samples are identical
@@ -42,7 +42,7 @@ def compare(llm, name: str, got, want, seed: int, temperature: float) -> None:
 
 
 def main() -> None:
-    llm = LLM()
+    llm = LLM(dtype="float32")
     q715, q711 = (load_gsm8k(limit=1, offset=i)[0].chat() for i in (715, 711))
     params = SamplingParams(n=32, temperature=0.7, max_tokens=64, seed=1005)
     alone = llm.chat([q715], params, use_tqdm=False)
