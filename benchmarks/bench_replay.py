@@ -66,7 +66,7 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
 
     DRAFTERS["recorder"] = Recorder
     try:
-        llm = LLM()
+        llm = LLM(dtype="float32")  # the recordings the tables were made from
         conversations = [p.chat() for p in load_gsm8k(limit=questions)]
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
         llm.chat(conversations, params, SpecConfig(drafter="recorder"), use_tqdm=False)

@@ -65,10 +65,11 @@ def main() -> None:
     parser.add_argument("--join", action="store_true", help="measure the time to first token of joining requests")
     parser.add_argument("--every", type=int, default=20, help="steps between joining requests")
     parser.add_argument("--joins", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", help="float32 by default: engines from before 'auto' existed ran it")
     args = parser.parse_args()
     from multispec import LLM
 
-    llm = LLM()
+    llm = LLM(dtype=args.dtype)
     cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
     plain_speed(llm, 1, 4, 16, 0)  # warm-up
     speeds: dict[tuple[int, int], list[float]] = {}

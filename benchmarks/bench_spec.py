@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--rows", help="comma-separated rows to run in each cell (none is always run too)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name, checkpoint directory or .gguf")
     parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    parser.add_argument("--dtype", default="auto", help="'auto', 'float32', 'bfloat16' or 'float16'")
     args = parser.parse_args()
     cells = QUICK_CELLS if args.quick else FULL_CELLS
     max_tokens = 128 if args.quick and args.max_tokens == 256 else args.max_tokens
@@ -184,10 +185,10 @@ def main() -> None:
         if unknown:
             sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
         try:
-            llm = LLM(args.model, device=args.device)
+            llm = LLM(args.model, device=args.device, dtype=args.dtype)
         except ValueError as error:
             sys.exit(f"bench_spec: {error}")
-        print(f"model {args.model} on {llm.device}", file=sys.stderr)
+        print(f"model {args.model} on {llm.device}, {llm.dtype}", file=sys.stderr)
         table = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else []
         if args.cells:
             cells = [cells[int(i)] for i in args.cells.split(",")]

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from multispec.devices import resolve_device, resolve_dtype
 from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
@@ -24,9 +25,6 @@ __all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOu
 
 log = logging.getLogger("multispec")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class LLM:
     """A loaded model that draws n samples per prompt.
 
@@ -36,17 +34,17 @@ class LLM:
     reserved once here and touched only as slots are used; a request that cannot fit even alone
     is refused before it runs, and requests that fit only one after another wait for their turn.
     ``device``: where the weights, the KV cache and verification live ("auto": the first CUDA GPU
-    if there is one, else the CPU); drafting always runs on the CPU. ``engine`` is the
-    ``LLMEngine`` every call steps.
+    if there is one, else the CPU); drafting always runs on the CPU. ``dtype`` of the weights, the
+    activations and the KV cache ("auto": bfloat16 where the hardware computes it natively, see
+    ``multispec.devices``; logits, sampling and verification are float32 whatever it is); the one
+    chosen is ``self.dtype``. ``engine`` is the ``LLMEngine`` every call steps.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", kv_cache_memory: float = 4.0,
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
                  device: str = "auto"):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
                 math.isfinite(kv_cache_memory) and kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be a finite number of GiB > 0")
@@ -56,12 +54,13 @@ class LLM:
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir={cache_dir!r}: must be a directory path or None")
         self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         path = resolve_model(model)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
         self.model_name = model
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, DTYPES[dtype], self.device)
+        self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, self.dtype, self.device)
         limit = checkpoint.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
@@ -210,28 +209,6 @@ def _conversations(messages) -> list[list[dict]]:
                 raise ValueError(f"messages: conversation {i}, message {j} must be a dict with string 'role' and "
                                  f"'content', got {message!r:.80}")
     return conversations
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The torch device a ``device`` argument names, checked to exist here ("auto": CUDA if any)."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device={device!r}: not a device name (use 'auto', 'cpu', 'cuda' or 'cuda:N')") from error
-    if resolved.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device={device!r}: no CUDA GPU is available here; use 'cpu' or 'auto'")
-        if resolved.index is not None and resolved.index >= count:
-            raise ValueError(f"device={device!r}: this machine has {count} CUDA GPU(s), numbered from 0")
-    elif resolved.type != "cpu":
-        try:
-            torch.empty(1, device=resolved)
-        except (RuntimeError, AssertionError) as error:
-            raise ValueError(f"device={device!r}: cannot allocate on it here ({error})") from error
-    return resolved
 
 
 class _Progress:

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from multispec.devices import DTYPES
 from multispec.drafters import DRAFTERS
 from multispec.params import SamplingParams, SpecConfig
 from multispec.verify.schemes import NAMES as SCHEMES
@@ -27,7 +28,8 @@ class _Parser(argparse.ArgumentParser):
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                        help="'auto' (default): bfloat16 where the hardware computes it natively, else float32")
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache cap in GiB (default: %(default)s)")
     parser.add_argument("--device", default="auto",
                         help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
@@ -66,7 +68,9 @@ def _spec(args) -> SpecConfig:
 def _llm(args):
     from multispec.api import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device)
+    print(f"multispec: {args.model} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}", file=sys.stderr)
+    return llm
 
 
 def cmd_generate(args) -> int:

@@ -15,11 +15,13 @@ atexit.register(shutil.rmtree, _CACHE, True)
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default model, loaded once for the whole session, on the CPU unless
-    ``MULTISPEC_TEST_DEVICE`` names another device (the engine's tests then run there)."""
+    """The default model in float32, loaded once for the whole session, on the CPU unless
+    ``MULTISPEC_TEST_DEVICE`` names another device (the engine's tests then run there). Float32:
+    the tests that compare token ids across batch shapes rely on its rounding being far below any
+    real gap between logits (bfloat16 has its own tests)."""
     from multispec import LLM
 
-    return LLM(device=os.environ.get("MULTISPEC_TEST_DEVICE", "cpu"))
+    return LLM(device=os.environ.get("MULTISPEC_TEST_DEVICE", "cpu"), dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -38,4 +40,4 @@ def tiny(successor_dir):
     microseconds a forward (context window 256, vocabulary 400)."""
     from multispec import LLM
 
-    return LLM(str(successor_dir), device="cpu")
+    return LLM(str(successor_dir), device="cpu", dtype="float32")

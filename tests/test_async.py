@@ -43,7 +43,7 @@ def test_concurrent_readers_and_a_cancelled_one(tiny, successor_dir):
             for name, (ids, sp) in jobs.items()}
     one = 4 * (60 + 3 + 1) + 8
     # Room for two of these requests at a time: the waiting ones get in only as slots free up.
-    llm = LLM(str(successor_dir), device="cpu", kv_cache_memory=2.2 * one * kv_bytes_per_token(tiny.config, tiny.engine.dtype) / 2**30)
+    llm = LLM(str(successor_dir), device="cpu", dtype="float32", kv_cache_memory=2.2 * one * kv_bytes_per_token(tiny.config, tiny.engine.dtype) / 2**30)
 
     async def main():
         async_llm = AsyncLLM(llm)

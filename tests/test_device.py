@@ -94,7 +94,7 @@ def test_generation_never_mixes_host_and_device_tensors(llm, name):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_greedy_matches_cpu(llm):
     """Greedy ids on the GPU equal the CPU's (float32) for plain and speculative decoding."""
-    gpu = LLM(device="cuda")
+    gpu = LLM(device="cuda", dtype="float32")
     prompt = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
     params = SamplingParams(n=4, temperature=0, max_tokens=24)
     cpu_ids = [c.token_ids for c in llm.generate(prompt, params, SpecConfig(drafter="none"), use_tqdm=False)[0].outputs]
@@ -112,7 +112,7 @@ def test_cuda_seeded_samples_equal_the_cpus(llm):
     seeded samples on the GPU equal the CPU's, but where a draw falls on a numerical tie."""
     from tests.helpers import assert_same_sampled_tokens
 
-    gpu = LLM(device="cuda")
+    gpu = LLM(device="cuda", dtype="float32")
     params = SamplingParams(n=6, temperature=0.8, max_tokens=24, seed=9)
     prompt = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
     cpu = llm.generate(prompt, params, SpecConfig(drafter="none"), use_tqdm=False)[0]
@@ -123,7 +123,7 @@ def test_cuda_seeded_samples_equal_the_cpus(llm):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_seeded_sampling_is_reproducible():
-    gpu = LLM(device="cuda")
+    gpu = LLM(device="cuda", dtype="float32")
     params = SamplingParams(n=8, temperature=0.8, max_tokens=16, seed=7)
     spec = SpecConfig(drafter="consensus", adaptive=False)
     first = [c.token_ids for c in gpu.generate("Once upon a time", params, spec, use_tqdm=False)[0].outputs]

@@ -34,7 +34,7 @@ def successor(tmp_path_factory):
     first LENGTH tokens after it (cells of probability >= 0.4%, plus the rest)."""
     directory = tmp_path_factory.mktemp("successor")
     successor = write_successor_model(directory)
-    llm = LLM(str(directory), device="cpu")
+    llm = LLM(str(directory), device="cpu", dtype="float32")
     prompt = chain(successor, cycle_start(successor), 24)
     cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004)
     return llm, prompt, cells
