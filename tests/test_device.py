@@ -72,7 +72,7 @@ def test_generation_never_mixes_host_and_device_tensors(llm, name):
     """Two prompts (two prompt groups in one step) through every mode; stop strings and a short
     max_tokens retire samples mid-run. Fails with the offending operation if any step mixes."""
     spec, sampling = AUDITED[name]
-    mark(*llm.model.parameters())
+    mark(*llm.model.parameters(), *llm.model.buffers())
     if llm.model._rope_cache is not None:
         mark(*llm.model._rope_cache)
     cache = llm.engine.cache  # allocated on the model's device when the LLM was built

@@ -62,15 +62,28 @@ class SelfAttention(nn.Module):
         o_bias = bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
 
+        self.fused = False
+
+    def fuse(self) -> None:
+        """One matrix product for q, k and v: their weights become views of one concatenated
+        tensor (no extra memory, the three parameters keep their names and values)."""
+        _fuse(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
+        self.fused = True
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.fused:
+            # q and k lie side by side in the fused output: one rotation covers both.
+            qkv = F.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None)).view(t, heads + 2 * kv_heads, -1)
+            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        else:
+            q = apply_rope(self.q_proj(x).view(t, heads, self.head_dim), cos, sin)
+            k = apply_rope(self.k_proj(x).view(t, kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x).view(t, kv_heads, self.head_dim)
         out = attention.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -80,9 +93,36 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fused = False
+
+    def fuse(self) -> None:
+        """One matrix product for the gate and up projections (see ``SelfAttention.fuse``)."""
+        _fuse(self, "gate_up", self.gate_proj, self.up_proj)
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not self.fused:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, getattr(self, "gate_up_bias", None)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse(owner: nn.Module, name: str, *linears: nn.Linear) -> None:
+    """Weight (and bias) of the given layers concatenated, kept by ``owner`` as buffers
+    ``<name>_weight`` / ``<name>_bias`` (not saved: the layers' own parameters, now views of them,
+    are)."""
+    weight = torch.cat([layer.weight.detach() for layer in linears])
+    bias = torch.cat([layer.bias.detach() for layer in linears]) if linears[0].bias is not None else None
+    owner.register_buffer(f"{name}_weight", weight, persistent=False)
+    if bias is not None:
+        owner.register_buffer(f"{name}_bias", bias, persistent=False)
+    start = 0
+    for layer in linears:
+        rows = layer.weight.shape[0]
+        layer.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
 
 
 class DecoderLayer(nn.Module):
@@ -175,4 +215,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match the {config.architecture} layout: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.load_state_dict({k: tensors[k].to(device=device, dtype=dtype, copy=True) for k in expected}, assign=True)
+        for layer in model.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         return model.eval()
