@@ -114,7 +114,6 @@ class DecodeAttention:
         cache = self.cache
         cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
         cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
-        q = q * q.shape[-1] ** -0.5
         if len(self.parts) == 1:
             return self.parts[0].attend(layer, q)
         out = q.new_empty(q.shape)
@@ -159,8 +158,8 @@ class _Part:
         tree = torch.gather(tree, 2, rel_clamped[:, None, :].expand(size, width, self.key_len))
         visible = old[:, None, :] | (new[:, None, :] & tree)                # [P, W, K]
         visible[:, :, 0] |= ~real
-        self.bias = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
-        self.bias.masked_fill_(~visible, float("-inf"))
+        self.visible = None if bool(visible.all()) else visible
+        self.own_mask = None  # built at the first layer, once the number of query heads is known
 
         # Members grouped by prompt slot: each prompt's keys are read once for all its samples.
         # Queries are laid out [prompt, member, ...] (padded to the largest group) so every
@@ -181,8 +180,10 @@ class _Part:
         self.prompt_len = max(lengths)
         length_of = {slot: length for slot, length in zip(slots, lengths)}
         pad = torch.arange(self.prompt_len)[None, :] >= torch.tensor([length_of[s] for s in distinct])[:, None]
-        self.prompt_bias = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
-        self.prompt_bias.masked_fill_(pad[:, None, None, :], float("-inf"))
+        self.prompt_mask = None
+        if bool(pad.any()):
+            self.prompt_mask = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
+            self.prompt_mask.masked_fill_(pad[:, None, None, :], float("-inf"))
         # One prompt for all members, or one member per prompt: queries already have the
         # prompt-major layout, so no scatter or gather is needed.
         self.single = len(distinct) == 1
@@ -190,14 +191,18 @@ class _Part:
         self.one_each = not self.single and self.group_size == 1
         if self.one_each:
             self.group_slots = torch.tensor(slots)
-            self.prompt_bias = self.prompt_bias[self.sample_group]
+            if self.prompt_mask is not None:
+                self.prompt_mask = self.prompt_mask[self.sample_group]
         device = cache.sample_k.device
-        for name in ("members", "member_of", "index_of", "rows", "bias", "sample_group", "sample_member",
-                     "group_slots", "prompt_bias"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("members", "member_of", "index_of", "rows", "sample_group", "sample_member", "group_slots",
+                     "prompt_mask", "visible"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        self.kernel = kernel_for(device)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention output of this part's real rows, in the order of ``rows``; q is pre-scaled."""
+        """Attention output of this part's real rows, in the order of ``rows``."""
         cache = self.cache
         heads, dim = q.shape[1], q.shape[2]
         kv_heads = cache.sample_k.shape[2]
@@ -221,13 +226,12 @@ class _Part:
         else:
             own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
             own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
-        own_scores = q_rows @ own_k.transpose(-1, -2)                          # [P, kvh, G*W, K]
-        own_scores = own_scores.view(size, kv_heads, group, width, self.key_len) + self.bias[:, None, None]
-        own_scores = own_scores.view(size, kv_heads, rows, self.key_len)
-        own_max = own_scores.amax(-1, keepdim=True)
-        own_exp = torch.exp(own_scores - own_max)
-        own_sum = own_exp.sum(-1, keepdim=True)
-        own_out = own_exp @ own_v                                              # [P, kvh, G*W, D]
+        if self.visible is not None and self.own_mask is None:
+            # [P, 1, G*W, K], rows in q_rows' order (query head within its kv group, then draft row).
+            visible = self.visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, rows, -1)
+            self.own_mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+            self.own_mask.masked_fill_(~visible, float("-inf"))
+        own_out, own_lse = self.kernel(q_rows, own_k, own_v, self.own_mask)    # [P, kvh, G*W, D], [P, kvh, G*W]
 
         # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.
         plen = self.prompt_len
@@ -246,11 +250,7 @@ class _Part:
             qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
             qg[self.sample_group, self.sample_member] = q_rows
             qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)
-        scores = qg @ pk.transpose(-1, -2) + self.prompt_bias                  # [G, kvh, m*G*W, L]
-        pre_max = scores.amax(-1, keepdim=True)
-        pre_exp = torch.exp(scores - pre_max)
-        pre_sum = pre_exp.sum(-1, keepdim=True)
-        pre_out = pre_exp @ pv
+        pre_out, pre_lse = self.kernel(qg, pk, pv, self.prompt_mask)
 
         def per_member(x):
             if self.one_each:
@@ -260,9 +260,38 @@ class _Part:
                 return x[0]
             return x[self.sample_group, self.sample_member]
 
-        pre_max, pre_sum, pre_out = per_member(pre_max), per_member(pre_sum), per_member(pre_out)
-        top = torch.maximum(pre_max, own_max)
-        w_pre, w_own = torch.exp(pre_max - top), torch.exp(own_max - top)
-        out = (pre_out * w_pre + own_out * w_own) / (pre_sum * w_pre + own_sum * w_own)
+        pre_out, pre_lse = per_member(pre_out), per_member(pre_lse[..., None])
+        # The two softmax halves merged exactly: each half weighted by its share of the total mass.
+        share = torch.sigmoid(pre_lse - own_lse[..., None]).to(own_out.dtype)
+        out = torch.lerp(own_out, pre_out, share)
         out = out.view(size, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(size, width, heads, dim)
         return out.reshape(size * width, heads, dim) if self.full else out[self.member_of, self.index_of]
+
+
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """Softmax attention and the log-sum-exp of each row's scores (float32), in one fused kernel."""
+    return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=q.shape[-1] ** -0.5)
+
+
+def _reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """The same from elementary operations (devices without the fused kernel, and the tests)."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+    if mask is not None:
+        scores = scores + mask
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    lse = (top + total.log()).squeeze(-1).float()
+    return (weights @ v) / total, lse
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def kernel_for(device: torch.device):
+    """The fused kernel where the device has one that returns the log-sum-exp (CPU), else the
+    reference. The merge of the prompt and own halves needs each half's log-sum-exp, which the
+    public ``scaled_dot_product_attention`` does not return."""
+    if device.type == "cpu" and _FLASH_CPU is not None:
+        return _fused_kernel
+    return _reference_kernel

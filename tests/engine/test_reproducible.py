@@ -129,14 +129,29 @@ def test_admission_order_does_not_change_seeded_samples(llm):
 
 def test_sampled_drafts_are_reproducible_and_batch_independent(llm):
     """Sampled drafts need more random numbers (the draws of the drafts, the accept tests), keyed
-    the same way: with a fixed draft shape the same seed gives the same samples run to run and
-    whatever shares the batch."""
+    the same way: with a fixed draft shape the same seed gives the same samples run to run
+    (bit for bit: the same batch shapes round the same way) and whatever shares the batch.
+
+    Sampled drafts are drawn from the siblings' texts, so once one sample parts at a numerical
+    tie (another batch shape rounds its logits differently), the drafts of its siblings change
+    from then on and so may their texts, all exactly distributed. Batched, the request's first
+    divergence must therefore be at a tie (``assert_same_sampled_tokens``); later ones in other
+    samples follow from it. Measured here: the alone and batched runs part at sample 2, token 6,
+    where the plain seeded run of the same request parts too."""
     conversations = [p.chat() for p in load_gsm8k(limit=2, offset=40)]
     spec = SpecConfig(drafter="consensus", sampled_drafts=True, max_draft_tokens=3, max_draft_nodes=6, adaptive=False)
     params = SamplingParams(n=6, temperature=1.0, max_tokens=24, seed=SEED)
     first = llm.chat(conversations[:1], params, spec)
     assert llm.last_stats.accepted_tokens > 0
     again = llm.chat(conversations[:1], params, spec)
-    batched = llm.chat(conversations, [params, SamplingParams(n=5, temperature=0.8, max_tokens=20, seed=1)], spec)[:1]
-    for other in (again, batched):
-        assert_same_samples(llm, other, first, SEED, temperature=1.0)
+    assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in first[0].outputs]
+    batched = llm.chat(conversations, [params, SamplingParams(n=5, temperature=0.8, max_tokens=20, seed=1)], spec)[0]
+    parted = [(next((k for k, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None), i)
+              for i, (got, want) in enumerate(zip(batched.outputs, first[0].outputs))]
+    parted = sorted(p for p in parted if p[0] is not None)
+    if parted:
+        _, i = parted[0]
+        assert_same_sampled_tokens(llm, first[0].prompt_token_ids, batched.outputs[i].token_ids,
+                                   first[0].outputs[i].token_ids, SEED, i, temperature=1.0)
+    else:
+        assert [len(o.token_ids) for o in batched.outputs] == [len(o.token_ids) for o in first[0].outputs]
