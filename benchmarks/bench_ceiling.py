@@ -108,13 +108,15 @@ class FillerDrafter(NoDrafter):
 
 
 def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int, per_length: int,
-               device: str) -> dict:
-    """{(cell, L): [seconds per step, one per repeat]}, ``context`` tokens into every sample."""
+               device: str, dtype: str = "auto", shapes: dict[str, tuple[int, int]] | None = None) -> dict:
+    """{(cell, L): [seconds per step, one per repeat]}, ``context`` tokens into every sample.
+    ``shapes``: (questions in flight, samples per question) of each cell name (default ``CELLS``)."""
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.drafters import DRAFTERS
     from multispec.reasoning import load_gsm8k
 
-    llm = LLM(device=device)
+    shapes = shapes or CELLS
+    llm = LLM(device=device, dtype=dtype)
     conversations = [p.chat() for p in load_gsm8k(limit=8)]
     deepest = max(lengths)
     accepted: dict[str, tuple[int, int]] = {}
@@ -122,7 +124,7 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
     llm.engine.step_observers.append(lambda report: FillerDrafter.current.observe_step(report))
 
     def run(cell: str, order: list[int], warm: int, seed: int) -> dict[int, float]:
-        questions, n = CELLS[cell]
+        questions, n = shapes[cell]
         FillerDrafter.lengths, FillerDrafter.warm = order, warm
         llm.engine.lanes.clear()  # a fresh drafter (and its step count) for every run
         spec = SpecConfig(drafter="filler", max_draft_tokens=max(deepest, 1), max_draft_nodes=max(deepest, 1),

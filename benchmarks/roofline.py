@@ -1,0 +1,149 @@
+"""A decode step's floor on this machine, against what the engine's step actually costs.
+
+Part 1 measures the machine with the model's own tensors:
+- memory bandwidth: reading a 1 GiB tensor (``sum``), median of several reads;
+- the GEMM rate per row count: each of the model's matrix products (fused q/k/v, o, fused
+  gate/up, down, output head) timed at M rows in the model's dtype (weights hot in cache: the
+  best rate the library reaches at that shape).
+
+The floor of a step with B samples each carrying L draft tokens (M = B x (1 + L) rows) is the
+larger of two lower bounds: every weight and every key and value the step attends to read once
+from memory at the measured bandwidth, and the step's matrix products at the measured GEMM rate
+for M rows. Everything else a step does (attention arithmetic, norms, rotary embedding,
+sampling, verification, bookkeeping, dispatch) is what the measured step has above its floor.
+
+Part 2 times the engine's steps at those shapes (one request of B samples, ``--context`` tokens
+into the answer, every sample drafting an L-token chain of filler; ``bench_ceiling.py``'s cost
+side) and prints measured / floor. The floor's ratio (1 + L) x floor(B, 0) / floor(B, L) is the
+ceiling of speculation at that shape with perfect drafts on ideal code; the same ratio of
+measured steps is the ceiling for this engine as it is.
+
+    python benchmarks/roofline.py                         # 4, 16, 64, 128 samples x L 0, 1, 2, 4 (about 5 minutes)
+    python benchmarks/roofline.py --samples 16 --lengths 0,1 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _median_seconds(fn, repeats: int, inner: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second of reading a tensor far larger than any cache."""
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    return data.numel() * 4 / _median_seconds(data.sum, repeats)
+
+
+def model_products(model) -> tuple[list[torch.Tensor], int]:
+    """The weight of each matrix product of one decoder layer, the output head's, and the layer count."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = attn.qkv_weight if attn.fused else torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    gate_up = mlp.gate_up_weight if mlp.fused else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return [qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight], len(model.model.layers)
+
+
+def gemm_seconds(model, rows: int, repeats: int = 9) -> tuple[float, float]:
+    """(seconds, FLOPs) of all matrix products of one forward of ``rows`` tokens."""
+    per_layer, layers = model_products(model)
+    head = model.output_weight()
+    seconds = flops = 0.0
+    for weight, count in [(w, layers) for w in per_layer] + [(head, 1)]:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        inner = max(1, 2000 // rows)
+        seconds += count * _median_seconds(lambda: F.linear(x, weight), repeats, inner)
+        flops += count * 2 * rows * weight.shape[0] * weight.shape[1]
+    return seconds, flops
+
+
+def weight_bytes(model) -> int:
+    per_layer, layers = model_products(model)
+    return sum(layers * w.numel() * w.element_size() for w in per_layer) + \
+        model.output_weight().numel() * model.output_weight().element_size()
+
+
+def kv_bytes(config, element: int, samples: int, prompt: int, own: int) -> int:
+    """Keys and values a step reads: the prompt's once for all samples, each sample's own."""
+    per_token = 2 * config.num_key_value_heads * config.head_dim * element * config.num_hidden_layers
+    return per_token * (prompt + samples * own)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", default="4,16,64,128", help="samples in flight (one request of n samples)")
+    parser.add_argument("--lengths", default="0,1,2,4", help="draft tokens per sample (0 = plain, always run)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--context", type=int, default=128, help="tokens each sample has generated when timed")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per draft length")
+    parser.add_argument("--repeats", type=int, default=2, help="generations per shape, each timing every length")
+    args = parser.parse_args()
+    samples = [int(x) for x in args.samples.split(",")]
+    lengths = sorted({0, *(int(x) for x in args.lengths.split(","))})
+
+    from bench_ceiling import step_costs
+    from multispec import LLM
+    from multispec.reasoning import load_gsm8k
+
+    torch.manual_seed(0)
+    llm = LLM(dtype=args.dtype)
+    model, config = llm.model, llm.model.config
+    element = model.output_weight().element_size()
+    tokenizer = llm.tokenizer
+    prompt = len(tokenizer.encode(tokenizer.apply_chat_template(load_gsm8k(limit=1)[0].chat()),
+                                  add_special_tokens=False))
+
+    with torch.inference_mode():
+        bandwidth = read_bandwidth()
+        weights = weight_bytes(model)
+        print(f"{llm.dtype}, {torch.get_num_threads()} threads: read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+              f"weights {weights / 2**20:.0f} MiB (read once per step: {1e3 * weights / bandwidth:.1f} ms); "
+              f"prompt {prompt} tokens, {args.context} generated\n")
+        print("| rows | GEMM ms (all products) | GEMM TFLOP/s |")
+        print("|---|---|---|")
+        gemm = {}
+        for rows in sorted({b * (1 + L) for b in samples for L in lengths}):
+            gemm[rows] = gemm_seconds(model, rows)
+            print(f"| {rows} | {1e3 * gemm[rows][0]:.1f} | {gemm[rows][1] / gemm[rows][0] / 1e12:.2f} |", flush=True)
+
+    def floor(b: int, L: int) -> tuple[float, str]:
+        memory = (weights + kv_bytes(config, element, b, prompt, args.context + L + 1)) / bandwidth
+        compute = gemm[b * (1 + L)][0]
+        return (memory, "memory") if memory >= compute else (compute, "GEMM")
+
+    print(f"\nTiming engine steps ({args.repeats} generations per shape)...", file=sys.stderr, flush=True)
+    shapes = {str(b): (1, b) for b in samples}
+    costs = step_costs(list(shapes), lengths, args.repeats, args.context, args.steps, "auto", args.dtype, shapes)
+
+    print("\n| samples | L | rows | floor ms (bound) | step ms | step / floor | perfect drafts: floor | perfect drafts: engine |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in samples:
+        plain_floor, _ = floor(b, 0)
+        for L in lengths:
+            value, bound = floor(b, L)
+            step = statistics.median(costs[(str(b), L)])
+            ratio = statistics.median(s / p for s, p in zip(costs[(str(b), L)], costs[(str(b), 0)]))
+            print(f"| {b} | {L} | {b * (1 + L)} | {1e3 * value:.1f} ({bound}) | {1e3 * step:.1f} | "
+                  f"{step / value:.2f} | {(1 + L) * plain_floor / value:.2f}x | {(1 + L) / ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
