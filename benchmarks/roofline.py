@@ -54,12 +54,10 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
 
 
 def model_products(model) -> tuple[list[torch.Tensor], int]:
-    """The weight of each matrix product of one decoder layer, the output head's, and the layer count."""
+    """The weight of each matrix product of one (fused, as loaded) decoder layer, and the layer count."""
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = attn.qkv_weight if attn.fused else torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    gate_up = mlp.gate_up_weight if mlp.fused else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-    return [qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight], len(model.model.layers)
+    return [attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight], len(model.model.layers)
 
 
 def gemm_seconds(model, rows: int, repeats: int = 9) -> tuple[float, float]:

@@ -158,8 +158,14 @@ class _Part:
         tree = torch.gather(tree, 2, rel_clamped[:, None, :].expand(size, width, self.key_len))
         visible = old[:, None, :] | (new[:, None, :] & tree)                # [P, W, K]
         visible[:, :, 0] |= ~real
-        self.visible = None if bool(visible.all()) else visible
-        self.own_mask = None  # built at the first layer, once the number of query heads is known
+        # As an additive mask [P, 1, G*W, K], rows in the order attend lays queries out (query
+        # head within its kv group, then draft row); none where every key is visible.
+        self.own_mask = None
+        if not bool(visible.all()):
+            group = cache.config.num_attention_heads // cache.config.num_key_value_heads
+            visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
+            self.own_mask = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
+            self.own_mask.masked_fill_(~visible, float("-inf"))
 
         # Members grouped by prompt slot: each prompt's keys are read once for all its samples.
         # Queries are laid out [prompt, member, ...] (padded to the largest group) so every
@@ -195,7 +201,7 @@ class _Part:
                 self.prompt_mask = self.prompt_mask[self.sample_group]
         device = cache.sample_k.device
         for name in ("members", "member_of", "index_of", "rows", "sample_group", "sample_member", "group_slots",
-                     "prompt_mask", "visible"):
+                     "prompt_mask", "own_mask"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -226,11 +232,6 @@ class _Part:
         else:
             own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
             own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
-        if self.visible is not None and self.own_mask is None:
-            # [P, 1, G*W, K], rows in q_rows' order (query head within its kv group, then draft row).
-            visible = self.visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, rows, -1)
-            self.own_mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-            self.own_mask.masked_fill_(~visible, float("-inf"))
         own_out, own_lse = self.kernel(q_rows, own_k, own_v, self.own_mask)    # [P, kvh, G*W, D], [P, kvh, G*W]
 
         # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.

@@ -75,7 +75,7 @@ class SelfAttention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.fused:
             # q and k lie side by side in the fused output: one rotation covers both.
-            qkv = F.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None)).view(t, heads + 2 * kv_heads, -1)
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, heads + 2 * kv_heads, -1)
             qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         else:
@@ -103,19 +103,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, getattr(self, "gate_up_bias", None)).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 def _fuse(owner: nn.Module, name: str, *linears: nn.Linear) -> None:
-    """Weight (and bias) of the given layers concatenated, kept by ``owner`` as buffers
-    ``<name>_weight`` / ``<name>_bias`` (not saved: the layers' own parameters, now views of them,
-    are)."""
+    """Weight and bias of the given layers concatenated, kept by ``owner`` as buffers
+    ``<name>_weight`` / ``<name>_bias`` (None where the layers have no bias). Not saved: the
+    layers' own parameters, now views of them, are."""
     weight = torch.cat([layer.weight.detach() for layer in linears])
     bias = torch.cat([layer.bias.detach() for layer in linears]) if linears[0].bias is not None else None
     owner.register_buffer(f"{name}_weight", weight, persistent=False)
-    if bias is not None:
-        owner.register_buffer(f"{name}_bias", bias, persistent=False)
+    owner.register_buffer(f"{name}_bias", bias, persistent=False)
     start = 0
     for layer in linears:
         rows = layer.weight.shape[0]
