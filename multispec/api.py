@@ -17,6 +17,7 @@ from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
 from multispec.models import DEFAULT_MODEL, load_checkpoint, resolve_model
+from multispec.models.loading import weights_key
 from multispec.models.llama import LlamaForCausalLM
 from multispec.params import (CompletionOutput, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
                               check_bool)
@@ -65,7 +66,8 @@ class LLM:
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
         self.spec = spec or SpecConfig()
-        engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB))
+        engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
+                                     model_key=weights_key(path), cache_dir=cache_dir)
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
         self._ids = itertools.count()

@@ -4,14 +4,11 @@ Drafting is free, verifying is not: every draft token is one more token in the t
 Where a forward is overhead- or memory-bound (small batches, GPUs) extra tokens cost almost
 nothing and long drafts pay; where it is compute-bound (large batches on a CPU) each token costs
 as much as a sample's plain step and drafts only pay when they are nearly always accepted. So the
-engine measures both sides as it runs instead of assuming either:
+budget weighs both sides with measurements instead of assuming either:
 
-- the cost of a step, a non-negative least-squares fit ``a + b * T + c * W + d * S`` over recent steps,
-  refit every step: T is the number of tokens in the forward (weights and MLPs see exactly
-  those), W the attention work, query rows times the step's longest context (attention pads
-  samples to the step's deepest draft, see ``DecodeAttention`` and ``work``), and S
-  is 1 for a step with any draft token (the fixed price of drafting at all);
-- the chance that a draft token at depth d is accepted given its parent was, per depth.
+- the cost of a step of any shape, from ``StepCosts`` (``multispec.engine.costs``): decode steps
+  of chosen shapes timed through the engine's own path, once per machine and model, and cached;
+- the chance that a draft token is accepted, from what verification has accepted so far.
 
 Deterministic drafts come with the drafter's confidence in each node (its estimate of the
 target's probability of the token, and the length of the context match behind it). The budget
@@ -28,45 +25,29 @@ exactly as sampled from q), so for them the budget picks one draft length L in [
 from per-depth acceptance instead, the L that maximises ``B * (1 + E[accepted | L]) / cost`` with
 ``T = B * (1 + L)`` and ``Qmax = 1 + L``.
 
-The cost samples belong to the engine and outlive a call (they describe the machine and the model,
-plain steps included), and so does what verification has shown about the drafter's drafts (see
-``Calibration``: a new request starts from what earlier ones measured, not from the drafter's raw
-confidence); while the fit is not identified yet (too few step sizes seen) the budget
-alternates between no draft and a cheap probe, and it keeps a few plain steps in the window (see
-``MIN_PLAIN``) so the price of drafting at all stays measured.
+What verification has shown about the drafter's drafts belongs to the engine and outlives a call
+(see ``Calibration``: a new request starts from what earlier ones measured, not from the
+drafter's raw confidence).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-from scipy.optimize import nnls
-
 from multispec.drafters.base import DraftTree
-from multispec.engine.attention import split_step
+from multispec.engine.costs import StepCosts
 
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99)
 """Calibration bins of the drafter's confidence: finest near 1, where drafting pays on big batches."""
-WORK_UNIT = 1e4
-"""Scale of the attention-work feature (query rows x keys), keeping the fit well conditioned."""
 PRIOR_WEIGHT = 2.0
 """Pseudo-observations behind each calibration cell's prior (the raw confidence itself)."""
 MARGIN = 1.05
-"""Drafting must promise this much more tokens per second than a plain step. The cost fit is off
-by a few percent either way for any one step shape, and a choice taken whenever the estimate
-says "gain" takes every overestimate with it: the steps where drafting barely pays on paper are
-lost on average. The margin keeps the budget at plain speed there and costs nothing where drafts
-pay well."""
-MIN_PLAIN = 12
-"""Steps without drafts kept among the recent cost samples. The fixed price of a step with drafts
-is told apart from the price of every step only by comparing the two kinds; a window of drafting
-steps alone (a run that drafts every step, or one after fixed-size drafts) leaves it unidentified,
-and a fit that folds it into every step makes drafting look cheaper than it is. So while fewer
-than this many plain steps are in the window, a step drafts nothing: about one step in twenty
-when drafting runs every step."""
+"""Drafting must promise this much more tokens per second than a plain step. The measured prices
+are off by a few percent either way for any one step shape (the machine's load moves them), and a
+choice taken whenever the estimate says "gain" takes every overestimate with it: the steps where
+drafting barely pays on paper are lost on average. The margin keeps the budget at plain speed
+there and costs nothing where drafts pay well."""
 IDLE_STEPS = 8
 """Steps in a row that kept no draft node, after which the drafter is asked only every
 ``PROBE_EVERY``-th step until a step keeps one again. Where a forward is compute-bound (large
@@ -118,11 +99,15 @@ def _count(tried: list[float], kept: list[float], i: int, accepted: float, offer
 
 
 class DraftBudget:
-    def __init__(self, max_depth: int, samples: deque[tuple[int, float, float]] | None = None,
-                 max_evidence: int = 4, calibration: Calibration | None = None):
+    """How many draft nodes (scored drafts, ``select``) or tokens per sample (sampled drafts,
+    ``choose``) a step carries. ``costs``: the measured step prices (needed when ``max_depth`` > 0)."""
+
+    def __init__(self, max_depth: int, costs: StepCosts | None = None, max_evidence: int = 4,
+                 calibration: Calibration | None = None):
+        if max_depth and costs is None:
+            raise ValueError("a draft budget with max_depth > 0 needs the step costs")
         self.max_depth = max_depth
-        self.samples = samples if samples is not None else deque(maxlen=256)
-        self.steps = 0
+        self.costs = costs
         self.idle = 0
         """Steps in a row whose drafts were all left out (or not asked for)."""
         self.max_evidence = max_evidence
@@ -165,7 +150,6 @@ class DraftBudget:
         ``context``: keys the step's attention reads per query row (longest prompt plus longest
         sample cache); ``others``: samples of the step this budget does not draft for (other
         lanes), each one token of the step's cost and of its gain."""
-        self.steps += 1
         own = len(trees)
         batch = own + others
         candidates = []  # (-chance, depth, sample, node)
@@ -180,70 +164,25 @@ class DraftBudget:
                 depth.append(1 if parent < 0 else depth[parent] + 1)
                 candidates.append((-chance[i], depth[i], b, i))
         candidates.sort()
-        model = self.cost_model()
-        if model is None:  # probe: alternate between nothing and the likely half
-            keep = sum(1 for c in candidates if -c[0] >= 0.5) if self.steps % 2 else 0
-        elif self.plain_steps() < MIN_PLAIN:
-            keep = 0
-        else:
-            counts = [1] * own
-            qmax, drafting, gained = 1, 0, float(batch)
-            keep, best_rate = 0, MARGIN * batch / self._cost(model, batch, batch, 1, context)
-            for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
-                gained -= neg_chance
-                drafting += counts[b] == 1
-                counts[b] += 1
-                qmax = max(qmax, counts[b])
-                rate = gained / self._cost(model, batch + k, batch, qmax, context, drafting)
-                if rate > best_rate:
-                    keep, best_rate = k, rate
+        seconds = self.costs.seconds
+        counts = [1] * own
+        qmax, drafting, gained = 1, 0, float(batch)
+        keep, best_rate = 0, MARGIN * batch / seconds(batch, batch, 1, context)
+        for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
+            gained -= neg_chance
+            drafting += counts[b] == 1
+            counts[b] += 1
+            qmax = max(qmax, counts[b])
+            rate = gained / seconds(batch + k, batch, qmax, context, drafting)
+            if rate > best_rate:
+                keep, best_rate = k, rate
         self.idle = 0 if keep else self.idle + 1
         kept: list[list[int]] = [[] for _ in trees]
         for _, _, b, i in candidates[:keep]:
             kept[b].append(i)
         return [tree.subtree(sorted(nodes)) for tree, nodes in zip(trees, kept)]
 
-    # ------------------------------------------------------------------ cost
-    @staticmethod
-    def work(batch: int, qmax: int, context: int, drafting: int | None = None, tokens: int | None = None) -> float:
-        """Attention work of a step: query rows as ``DecodeAttention`` lays them out, times the
-        context. Its rows are every sample's ``qmax`` rows, or, where it splits the step (see
-        ``split_step``), the root rows plus the drafting samples' draft rows padded to the deepest
-        draft. ``tokens``: the step's token count (default: every drafting sample at full depth)."""
-        if drafting is None:
-            drafting = batch if qmax > 1 else 0
-        if tokens is None:
-            tokens = batch + drafting * (qmax - 1)
-        rows = batch + drafting * (qmax - 1) if split_step(batch, qmax, drafting, tokens) else batch * qmax
-        return rows * context / WORK_UNIT
-
-    @classmethod
-    def _cost(cls, model: tuple[float, float, float, float], tokens: int, batch: int, qmax: int, context: int,
-              drafting: int | None = None) -> float:
-        fixed, per_token, per_work, speculative = model
-        return (fixed + per_token * tokens + per_work * cls.work(batch, qmax, context, drafting, tokens)
-                + (speculative if qmax > 1 else 0.0))
-
-    def record_forward(self, tokens: int, work: float, seconds: float, speculative: bool = False) -> None:
-        """One step: its token count, attention work (``work(B, Qmax, context)``), duration, and
-        whether it carried any draft token."""
-        self.samples.append((tokens, work, seconds, float(speculative)))
-
-    def plain_steps(self) -> int:
-        """Steps without any draft token among the recent cost samples."""
-        return sum(1 for sample in self.samples if not sample[3])
-
-    def cost_model(self) -> tuple[float, float, float, float] | None:
-        """(fixed, per token, per unit of attention work, extra for a step with drafts) seconds,
-        or None while unidentified. The last term is what drafting at all costs a step (the second
-        attention part, tree verification, cache moves), whatever the number of draft tokens."""
-        if len({sample[0] for sample in self.samples}) < 3:
-            return None
-        data = np.array(self.samples, dtype=np.float64)
-        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 3]])
-        coef, _ = nnls(features, data[:, 2])
-        return max(float(coef[0]), 1e-6), float(coef[1]), float(coef[2]), float(coef[3])
-
+    # ------------------------------------------------------------------ sampled drafts
     def record_acceptance(self, drafted_by_depth: list[int], accepted_by_depth: list[int]) -> None:
         """Counts of draft tokens offered at each depth (parent accepted) and accepted there."""
         for depth in range(1, min(len(drafted_by_depth), self.max_depth + 1)):
@@ -259,19 +198,14 @@ class DraftBudget:
     def choose(self, batch: int, context: int, others: int = 0) -> int:
         """Draft tokens per sample for ``batch`` samples (sampled drafts) in a step that also holds
         ``others`` samples without drafts."""
-        self.steps += 1
         if self.max_depth == 0:
             return 0
-        model = self.cost_model()
-        if model is None:
-            return 1 if self.steps % 2 else 0
-        if self.plain_steps() < MIN_PLAIN:
-            return 0
+        seconds = self.costs.seconds
         total = batch + others
-        best, best_rate = 0, MARGIN * total / self._cost(model, total, total, 1, context)
+        best, best_rate = 0, MARGIN * total / seconds(total, total, 1, context)
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
-            rate = gained / self._cost(model, total + batch * length, total, 1 + length, context, batch)
+            rate = gained / seconds(total + batch * length, total, 1 + length, context, batch)
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
         return best

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
+from pathlib import Path
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Callable
@@ -25,7 +25,7 @@ import torch
 
 from multispec.drafters import DraftTree
 from multispec.engine.attention import DecodeAttention, PrefillAttention
-from multispec.engine.budget import DraftBudget
+from multispec.engine.costs import StepCosts, load_or_measure
 from multispec.engine.cache import GIB, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.request import Request, Sample
@@ -33,6 +33,7 @@ from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import Step, Verified, commit, most_likely, pack, position_keys, sampling_rows, verify
 from multispec.engine.sampler import target_probs
 from multispec.models.llama import LlamaForCausalLM
+from multispec.models.loading import default_cache_dir
 from multispec.models.tokenizer import Tokenizer
 from multispec.params import RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
 from multispec.verify.sampling import sample_key, sample_rows
@@ -45,6 +46,11 @@ class EngineConfig:
 
     max_model_len: int
     kv_cache_bytes: int = 4 * GIB
+    model_key: str | None = None
+    """Identifies the model's weights (e.g. their file and its size and time), for the step costs
+    cached per machine and model (see ``multispec.engine.costs``); None: measured, not cached."""
+    cache_dir: str | None = None
+    """Where the step costs are cached (default: ``multispec.models.loading.default_cache_dir``)."""
 
 
 @dataclass
@@ -82,8 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}
-        # (tokens, attention work, seconds, drafted) of recent decode steps: the draft budget's cost model.
-        self.forward_costs: deque = deque(maxlen=256)
+        self._step_costs: StepCosts | None = None
         self.stats = RunStats()
         """Running totals since the engine was built."""
         self.step_observers: list[Callable[[StepReport], None]] = []
@@ -222,8 +227,16 @@ class LLMEngine:
     def _lane(self, request: Request) -> Lane:
         lane = self.lanes.get(request.lane)
         if lane is None:
-            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.forward_costs)
+            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.step_costs)
         return lane
+
+    def step_costs(self) -> StepCosts:
+        """What a decode step of each shape costs here (the draft budget's prices): from the cache
+        when this machine and model were measured before, else measured now, once."""
+        if self._step_costs is None:
+            root = Path(self.config.cache_dir).expanduser() if self.config.cache_dir else default_cache_dir()
+            self._step_costs = load_or_measure(self, self.config.model_key, root)
+        return self._step_costs
 
     def _fail(self, request: Request, error: BaseException, changed: dict[str, Request]) -> None:
         """Finish a request whose own bookkeeping raised; the rest of the batch goes on."""
@@ -297,11 +310,7 @@ class LLMEngine:
         self._observe(step, results, kept, changed)
         self._sync()
         t4 = time.perf_counter()
-        # The whole step is what a draft token costs: forward, verification and commit grow with it.
-        counts = step.layout.counts
-        qmax, drafting, tokens = int(counts.max()), int((counts > 1).sum()), int(step.token_ids.numel())
-        next(iter(lanes)).budget.record_forward(  # the cost samples are shared by every lane
-            tokens, DraftBudget.work(len(slots), qmax, context, drafting, tokens), t4 - t0, speculative=qmax > 1)
+        tokens = int(step.token_ids.numel())
         for lane, members in lanes.items():
             lane.record([trees[b] for b in members], [results[b].path for b in members])
         stats = self.stats

@@ -4,16 +4,17 @@ settings share.
 Drafting state is per prompt inside a drafter (siblings draft for each other), and what verification
 has shown about a drafter's drafts depends on the sampling settings, so a lane is the unit the
 engine drafts, calibrates and budgets for. The calibration outlives its requests (a request sent
-on its own drafts from what earlier ones measured); the cost of a step is measured once for the
-whole engine and shared by every lane.
+on its own drafts from what earlier ones measured); the cost of a step is measured once per
+machine and model (``multispec.engine.costs``) and shared by every lane.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Callable
 
 from multispec.drafters import DraftTree, make_drafter
 from multispec.engine.budget import Calibration, DraftBudget
+from multispec.engine.costs import StepCosts
 from multispec.engine.request import Request, Sample
 from multispec.params import SpecConfig
 from multispec.verify import DraftLaw
@@ -28,7 +29,9 @@ def lane_key(spec: SpecConfig, request_params) -> tuple:
 
 
 class Lane:
-    def __init__(self, spec: SpecConfig, vocab_size: int, forward_costs: deque):
+    def __init__(self, spec: SpecConfig, vocab_size: int, step_costs: Callable[[], StepCosts] | None = None):
+        """``step_costs`` gives the engine's measured step prices; asked only by a lane whose
+        budget adapts (it may measure them, once)."""
         self.spec = spec
         self.law: DraftLaw | None = spec.draft_law
         self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
@@ -36,7 +39,9 @@ class Lane:
                                     sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
                                     min_ngram=spec.min_ngram)
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
-        self.budget = DraftBudget(depth, forward_costs, max_evidence=spec.max_ngram,
+        if depth and step_costs is None:
+            raise ValueError("an adaptive draft budget needs the engine's step costs")
+        self.budget = DraftBudget(depth, step_costs() if depth else None, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram))
 
     def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:

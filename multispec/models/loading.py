@@ -58,6 +58,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MULTISPEC_CACHE") or Path.home() / ".cache" / "multispec")
 
 
+def weights_key(path: str | Path) -> str:
+    """Names a checkpoint's weights as they are on disk (path, sizes, modification times), so that
+    what was measured for them (the step costs) is measured again when they change."""
+    path = Path(path).expanduser().resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return f"{path}|" + "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
 def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 

@@ -1,27 +1,25 @@
-"""The draft budget drafts where extra tokens are cheap and not where every token costs a full step."""
+"""The draft budget drafts where extra tokens are cheap and not where every token costs a full step.
 
-from collections import deque
+The budgets here price steps with ``StepCosts`` fitted to the timings a cost law would give at the
+calibration's own shapes, so every test also runs the fit the engine uses."""
 
 import pytest
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import (IDLE_STEPS, MARGIN, MAX_WEIGHT, MIN_PLAIN, PRIOR_WEIGHT, PROBE_EVERY, Calibration,
-                                     DraftBudget)
+from multispec.engine.budget import IDLE_STEPS, MARGIN, MAX_WEIGHT, PRIOR_WEIGHT, PROBE_EVERY, Calibration, DraftBudget
+from tests.engine.test_costs import law_costs
 
 CONTEXT = 200
 
 
-def costs(fixed: float, per_token: float, per_work: float = 0.0, speculative: float = 0.0) -> deque:
-    """Step timings that follow the cost model exactly, over varied sizes and draft shapes."""
-    samples = deque()
-    for batch in (8, 16, 32):
-        for context in (100, 200, 300):
-            for qmax, drafting in ((1, 0), (2, batch // 2), (1, 0), (4, batch), (3, 2)):
-                tokens = batch + drafting * (qmax - 1)
-                work = DraftBudget.work(batch, qmax, context, drafting)
-                extra = speculative if qmax > 1 else 0.0
-                samples.append((tokens, work, fixed + per_token * tokens + per_work * work + extra, float(qmax > 1)))
-    return samples
+def costs(fixed: float, per_token: float, per_work: float = 0.0, speculative: float = 0.0):
+    """Step prices fitted to a linear cost law: ``fixed`` a step, ``per_token``, ``per_work`` a
+    unit of attention work and ``speculative`` for a step with drafts."""
+    return law_costs(lambda tokens: fixed + per_token * tokens, per_work, speculative)
+
+
+PRICES = costs(0.05, 0.002)
+"""Any prices, for the tests of calibration alone."""
 
 
 def trained(fixed: float, per_token: float, accept: float, per_work: float = 0.0) -> DraftBudget:
@@ -30,12 +28,10 @@ def trained(fixed: float, per_token: float, accept: float, per_work: float = 0.0
     return budget
 
 
-def test_cost_model_recovers_the_four_terms():
-    fixed, per_token, per_work, speculative = DraftBudget(4, costs(0.05, 0.002, 0.03, 0.02)).cost_model()
-    assert fixed == pytest.approx(0.05, rel=1e-3)
-    assert per_token == pytest.approx(0.002, rel=1e-3)
-    assert per_work == pytest.approx(0.03, rel=1e-3)
-    assert speculative == pytest.approx(0.02, rel=1e-3)
+def test_a_budget_that_drafts_needs_the_step_costs():
+    with pytest.raises(ValueError, match="step costs"):
+        DraftBudget(4)
+    assert DraftBudget(0).choose(16, CONTEXT) == 0
 
 
 def test_a_fixed_price_for_drafting_at_all_stops_a_few_unsure_drafts():
@@ -59,11 +55,6 @@ def test_in_between_the_length_follows_acceptance():
     assert low < high
 
 
-def test_unidentified_cost_probes_with_one_token():
-    budget = DraftBudget(6, deque([(16, 0.3, 0.1, 0.0)] * 3))
-    assert sorted({budget.choose(16, CONTEXT) for _ in range(4)}) == [0, 1]
-
-
 def test_expected_accepted_is_the_chain_sum():
     budget = trained(0.1, 0.001, accept=0.5)
     assert abs(budget.expected_accepted(3) - (0.5 + 0.25 + 0.125)) < 0.01
@@ -77,7 +68,7 @@ def chain(confidences: list[float], evidence: int = 4) -> DraftTree:
 
 
 def test_calibration_learns_what_verification_accepts():
-    budget = DraftBudget(4)
+    budget = DraftBudget(4, PRICES)
     before = budget.calibrated(0.97, 4)
     # The drafter says 0.97, but only 1 in 4 of those nodes is accepted.
     for accepted in ([0], [], [], []) * 50:
@@ -88,7 +79,7 @@ def test_calibration_learns_what_verification_accepts():
 
 
 def test_record_nodes_counts_a_node_only_when_its_parent_was_accepted():
-    budget = DraftBudget(4)
+    budget = DraftBudget(4, PRICES)
     tree = chain([0.5, 0.85, 0.97])
     budget.record_nodes([tree], [[]])  # first node rejected: the others were never tried
     assert budget.cal_tried[budget._cell(0.5, 4)[0]][4] == 3.0
@@ -126,38 +117,6 @@ def test_costly_attention_padding_prefers_breadth_to_depth():
     assert len(padding_cost[0]) < 6 and all(len(t) == 1 for t in padding_cost[1:])
 
 
-def test_unidentified_cost_probes_with_the_likely_nodes():
-    budget = DraftBudget(4)
-    trees = [chain([0.995, 0.3])]
-    picks = [len(budget.select(trees, CONTEXT)[0]) for _ in range(4)]
-    assert sorted(set(picks)) == [0, 1]
-
-
-def test_a_window_without_plain_steps_gets_plain_steps_before_drafting_again():
-    """After fixed-size drafts (every recent step drafted) the fixed price of drafting at all cannot
-    be told from the price of any step: a fit that folds it into every step would call drafting
-    cheap. The budget drafts nothing until the window holds ``MIN_PLAIN`` plain steps again, then
-    keeps about that many: a small share of steps where drafting pays on every step."""
-    true_cost = (0.2, 0.0001, 0.0, 0.01)  # overhead-bound: whole trees pay
-    window = deque([s for s in costs(*true_cost) if s[3]] * 4, maxlen=256)
-    budget = DraftBudget(4, window)
-    kept = []
-    for step in range(400):
-        batch = 6 + step % 3  # sizes vary, as samples finish, so the fit stays identified
-        picked = budget.select([chain([0.995, 0.995, 0.9])] * batch, CONTEXT)
-        tokens = batch + sum(len(t) for t in picked)
-        qmax = 1 + max(len(t) for t in picked)
-        work = DraftBudget.work(batch, qmax, CONTEXT, sum(1 for t in picked if len(t)))
-        seconds = true_cost[0] + true_cost[1] * tokens + (true_cost[3] if qmax > 1 else 0.0)
-        budget.record_forward(tokens, work, seconds, speculative=qmax > 1)
-        kept.append(sum(len(t) for t in picked))
-    assert kept[:MIN_PLAIN] == [0] * MIN_PLAIN  # the first steps are plain until the window has enough
-    assert kept[MIN_PLAIN] == 3 * (6 + MIN_PLAIN % 3)  # then whole trees, since they pay
-    later = kept[MIN_PLAIN:]
-    assert 0 < later.count(0) <= len(later) * MIN_PLAIN / 256 + 2  # and a few plain steps keep it measured
-    assert budget.plain_steps() >= MIN_PLAIN - 1
-
-
 def test_drafting_that_barely_pays_on_paper_is_left_out():
     """A node whose expected gain beats its cost by less than the margin is not drafted; the
     same node in a batch where it clearly pays is."""
@@ -182,7 +141,7 @@ def test_after_a_stretch_of_empty_steps_the_drafter_is_asked_only_to_probe():
     assert asked[:IDLE_STEPS] == [True] * IDLE_STEPS
     assert asked[IDLE_STEPS:] == ([False] * (PROBE_EVERY - 1) + [True]) * 4
 
-    budget.samples.extend(costs(fixed=0.2, per_token=0.0001) * 3)  # forwards turn overhead-bound
+    budget.costs = costs(fixed=0.2, per_token=0.0001)  # forwards turn overhead-bound
     while not budget.wants_drafts():
         pass
     assert len(budget.select([chain([0.995])] * 8, CONTEXT)[0]) == 1
@@ -194,12 +153,12 @@ def test_calibration_is_shared_and_fades_past_its_cap():
     past MAX_WEIGHT observations a cell keeps its acceptance ratio but weighs old evidence less."""
     calibration = Calibration.prior(4, 4)
     tree = DraftTree([1, 2], [-1, 0], None, confidence=[0.97, 0.97], evidence=[4, 4])
-    first = DraftBudget(4, calibration=calibration)
+    first = DraftBudget(4, PRICES, calibration=calibration)
     first.record_nodes([tree], [[0]])  # node 0 accepted, node 1 tried and rejected
     k, e = first._cell(0.97, 4)
     assert calibration.cal_tried[k][e] == PRIOR_WEIGHT + 2
-    second = DraftBudget(4, calibration=calibration)  # the next call starts from there
-    assert second.calibrated(0.97, 4) == first.calibrated(0.97, 4) != DraftBudget(4).calibrated(0.97, 4)
+    second = DraftBudget(4, PRICES, calibration=calibration)  # the next call starts from there
+    assert second.calibrated(0.97, 4) == first.calibrated(0.97, 4) != DraftBudget(4, PRICES).calibrated(0.97, 4)
     for _ in range(3 * int(MAX_WEIGHT)):
         second.record_nodes([tree], [[0, 1]] if _ % 4 else [[]])  # 3 of 4 steps accept both nodes
     assert calibration.cal_tried[k][e] <= MAX_WEIGHT

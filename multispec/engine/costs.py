@@ -1,0 +1,335 @@
+"""What a decode step costs on this machine for this model: the prices the draft budget weighs
+drafts against, measured once and cached.
+
+A step of B samples carrying T tokens in all costs
+
+    seconds = base(T) + per_work * W + (extra(B) if any sample drafted)
+
+with W the step's attention work (query rows times keys, ``DraftBudget.work``). ``base`` is a
+measured curve, not a line: on a CPU a forward of 4 tokens costs nearly what one of 16 does (the
+step is bound by overhead and by reading the weights), while from about a hundred rows every row
+adds its matrix products; on a GPU the flat part reaches much further. ``extra`` is what drafting
+at all adds to a step (the second attention part, tree verification, cache moves). A running fit
+over the steps a workload happens to run sees few shapes, mostly one, and extrapolates the rest
+with the noise of a shared machine in it; here every term comes from steps of the engine's own
+decode path at chosen shapes, medians of repeats.
+
+``measure`` runs those steps through a scratch engine that shares the model's weights (its own
+small KV cache, synthetic prompts, a drafter that drafts fixed-length chains): about ten seconds
+for the default model on a 2-core CPU. ``load_or_measure`` keeps the result in the cache
+directory, keyed by the machine (CPU or GPU model, threads), the model file, the dtype and the
+versions of torch and multispec, so it is measured once per machine and model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from multispec.engine.engine import LLMEngine
+
+log = logging.getLogger("multispec")
+
+FORMAT = 1
+"""Version of the measurement and its file; a change re-measures."""
+WORK_UNIT = 1e4
+"""Scale of the attention-work feature (query rows x keys)."""
+PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Samples per measured plain step: the base curve's points."""
+DRAFT_BATCHES = (1, 4, 16, 64)
+"""Samples per measured drafting step (each drafts ``DRAFT_LENGTHS`` tokens in turn): the points of
+``extra``, and the base curve past the largest plain step."""
+DRAFT_LENGTHS = (1, 3)
+CONTEXT_BATCHES = (8, 32)
+"""Samples per plain step measured at a short and a long context: the price of attention work."""
+SHORT_PROMPT, LONG_PROMPT = 32, 512
+ROUNDS = 3
+"""Passes over every shape; a shape's price is its cheapest pass (see ``measure``)."""
+REPEATS = 2
+"""Timed steps per shape and pass (their median is the pass's)."""
+WARM_STEPS = 1
+
+
+def work(batch: int, qmax: int, context: int, drafting: int | None = None, tokens: int | None = None) -> float:
+    """Attention work of a step: query rows as ``DecodeAttention`` lays them out, times the
+    context. Its rows are every sample's ``qmax`` rows, or, where it splits the step (see
+    ``split_step``), the root rows plus the drafting samples' draft rows padded to the deepest
+    draft. ``tokens``: the step's token count (default: every drafting sample at full depth)."""
+    from multispec.engine.attention import split_step
+
+    if drafting is None:
+        drafting = batch if qmax > 1 else 0
+    if tokens is None:
+        tokens = batch + drafting * (qmax - 1)
+    rows = batch + drafting * (qmax - 1) if split_step(batch, qmax, drafting, tokens) else batch * qmax
+    return rows * context / WORK_UNIT
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed step shape: samples, tokens in the forward, attention work, whether any sample
+    drafted, median seconds."""
+
+    batch: int
+    tokens: int
+    work: float
+    drafting: bool
+    seconds: float
+
+
+@dataclass
+class StepCosts:
+    """Measured prices of a decode step (see the module docstring): ``base`` at each of
+    ``base_tokens``, ``extra`` at each of ``extra_batches``, and ``per_work``."""
+
+    base_tokens: list[int]
+    base: list[float]
+    per_work: float
+    extra_batches: list[int]
+    extra: list[float]
+
+    def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
+        """Expected seconds of a step of ``batch`` samples and ``tokens`` tokens whose deepest
+        sample has ``qmax`` rows (1: no drafts), ``drafting`` samples of them drafting."""
+        spent = self.base_at(tokens) + self.per_work * work(batch, qmax, context, drafting, tokens)
+        if qmax > 1:
+            spent += float(np.interp(batch, self.extra_batches, self.extra))
+        return spent
+
+    def base_at(self, tokens: int) -> float:
+        """The base curve, linear between measured points and past the last one (where every
+        row costs its matrix products)."""
+        xs, ys = self.base_tokens, self.base
+        if tokens <= xs[-1] or len(xs) == 1:
+            return float(np.interp(tokens, xs, ys))
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (tokens - xs[-1])
+
+    @classmethod
+    def fit(cls, measurements: list[Measurement]) -> "StepCosts":
+        """Prices from timed shapes. ``per_work`` from plain steps of equal size at different
+        contexts; ``base`` from every plain step with its attention work taken off, then from the
+        drafting steps past the largest plain one (their extra is the extra of the largest
+        batch measured both ways); ``extra`` per batch size, what drafting steps cost beyond the
+        base and the attention. Both curves are made non-decreasing (more tokens, or more
+        samples, never cost less: a dip is noise)."""
+        plain = [m for m in measurements if not m.drafting]
+        drafting = [m for m in measurements if m.drafting]
+        if not plain:
+            raise ValueError("no plain step was measured")
+        slopes = []
+        by_batch: dict[int, list[Measurement]] = {}
+        for m in plain:
+            by_batch.setdefault(m.batch, []).append(m)
+        for group in by_batch.values():
+            low, high = min(group, key=lambda m: m.work), max(group, key=lambda m: m.work)
+            if high.work > low.work * 2:
+                slopes.append((high.seconds - low.seconds) / (high.work - low.work))
+        per_work = max(statistics.median(slopes), 0.0) if slopes else 0.0
+        base = _monotone(_medians((m.tokens, m.seconds - per_work * m.work) for m in plain))
+        costs = cls([t for t, _ in base], [s for _, s in base], per_work, [1], [0.0])
+        # The extra of drafting, per batch size, from steps within the plain curve's reach.
+        within = [m for m in drafting if m.tokens <= costs.base_tokens[-1]]
+        extra = _monotone(_medians((m.batch, m.seconds - costs.base_at(m.tokens) - per_work * m.work)
+                                   for m in within), floor=0.0)
+        if extra:
+            costs.extra_batches, costs.extra = [b for b, _ in extra], [s for _, s in extra]
+        # Past the largest plain step, drafting steps carry the base curve on.
+        beyond = _medians((m.tokens, m.seconds - per_work * m.work - float(np.interp(m.batch, costs.extra_batches,
+                                                                                         costs.extra)))
+                          for m in drafting if m.tokens > costs.base_tokens[-1])
+        if beyond:
+            points = _monotone(list(zip(costs.base_tokens, costs.base)) + beyond)
+            costs.base_tokens, costs.base = [t for t, _ in points], [s for _, s in points]
+        return costs
+
+    def table(self) -> str:
+        """The prices, for people: base per token count, extra per batch size, per-work price."""
+        base = ", ".join(f"{t}: {1e3 * s:.1f}" for t, s in zip(self.base_tokens, self.base))
+        extra = ", ".join(f"{b}: {1e3 * s:.1f}" for b, s in zip(self.extra_batches, self.extra))
+        return (f"step base ms by tokens {{{base}}}; drafting extra ms by samples {{{extra}}}; "
+                f"attention {1e3 * self.per_work:.2f} ms per {WORK_UNIT:.0f} query-row keys")
+
+
+def _medians(pairs) -> list[tuple[int, float]]:
+    groups: dict[int, list[float]] = {}
+    for x, y in pairs:
+        groups.setdefault(x, []).append(y)
+    return sorted((x, statistics.median(ys)) for x, ys in groups.items())
+
+
+def _monotone(points: list[tuple[int, float]], floor: float = 1e-6) -> list[tuple[int, float]]:
+    """Sorted by x, each y at least the one before (and at least ``floor``)."""
+    out, level = [], floor
+    for x, y in sorted(points):
+        level = max(level, y)
+        out.append((x, level))
+    return out
+
+
+# ---------------------------------------------------------------------- measuring
+
+class _ChainDrafter:
+    """Drafts, for every sample, a chain of ``schedule[k]`` copies of one token at the k-th step
+    it is asked: the shapes a calibration wants, whatever the text."""
+
+    alternatives = 0
+    min_alternative = 0.0
+    sampled = False
+
+    def __init__(self, schedule: list[int], token: int):
+        self.schedule, self.token, self.asked = schedule, token, 0
+
+    def add_group(self, group_id, prompt_ids, sample_ids) -> None:
+        pass
+
+    def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None) -> None:
+        pass
+
+    def remove(self, sample_id) -> None:
+        pass
+
+    def propose(self, sample_ids, budgets, uniforms=None):
+        from multispec.drafters.base import DraftTree
+
+        length = self.schedule[min(self.asked, len(self.schedule) - 1)]
+        self.asked += 1
+        tree = DraftTree([self.token] * length, list(range(-1, length - 1)), None) if length else DraftTree.EMPTY
+        return [tree if budget >= length else DraftTree.EMPTY for budget in budgets]
+
+
+def _shapes(max_samples: int, max_model_len: int) -> list[tuple[int, int, list[int]]]:
+    """(samples, prompt length, draft length of each timed step) of every calibration request."""
+    lengths = [0, *DRAFT_LENGTHS]
+    runs = [(b, SHORT_PROMPT, lengths if b in DRAFT_BATCHES else [0]) for b in PLAIN_BATCHES]
+    long_prompt = min(LONG_PROMPT, max_model_len // 2)
+    runs += [(b, long_prompt, [0]) for b in CONTEXT_BATCHES if long_prompt > 2 * SHORT_PROMPT]
+    return [(b, p, ls) for b, p, ls in runs if b <= max_samples]
+
+
+def measure(engine: "LLMEngine") -> StepCosts:
+    """Time decode steps of every calibration shape through a scratch engine on ``engine``'s model.
+
+    ``ROUNDS`` passes over all shapes, the order reversed every other pass, and each shape's
+    cheapest pass counts: what else runs on the machine (a burst of another process, the
+    scheduler's time slices on a busy CPU) only ever adds time, and spread over passes it reaches
+    one shape's passes unevenly, so the cheapest is the one nearest the step's own cost."""
+    from multispec.engine.cache import kv_bytes_per_token
+    from multispec.engine.engine import EngineConfig, LLMEngine
+    from multispec.engine.lane import Lane
+    from multispec.params import SamplingParams, SpecConfig
+
+    deepest = max(DRAFT_LENGTHS)
+    shapes = _shapes(max(PLAIN_BATCHES), engine.config.max_model_len)
+    schedules = [[0] * WARM_STEPS + [lengths[i % len(lengths)] for i in range(REPEATS * len(lengths))]
+                 for _, _, lengths in shapes]
+    # Room for the largest request alone (each sample holds max_tokens + a draft + 1 tokens), twice.
+    need = max(p + b * (len(s) + 2 * deepest + 3) for (b, p, _), s in zip(shapes, schedules))
+    per_token = kv_bytes_per_token(engine.model.config, engine.dtype)
+    scratch = LLMEngine(engine.model, engine.tokenizer,
+                        EngineConfig(engine.config.max_model_len, kv_cache_bytes=2 * need * per_token))
+    spec = SpecConfig(drafter="ngram", max_draft_tokens=deepest, max_draft_nodes=deepest, adaptive=False)
+    timed: dict[tuple[int, int, int], list[tuple[int, float, float]]] = {}
+    batch, schedule, step = 0, [0], 0
+
+    def observe(report) -> None:
+        """One decode step of the current request: kept if past warm-up and drafted as scheduled."""
+        nonlocal step
+        length, step = schedule[min(step, len(schedule) - 1)], step + 1
+        if step <= WARM_STEPS or any(len(tree) != length for tree in report.trees):
+            return
+        prompt_len = report.samples[0].request.prompt_len
+        context = prompt_len + max(s.cached for s in report.samples)
+        seconds = report.time_draft + report.time_forward + report.time_verify + report.time_commit
+        timed.setdefault((batch, prompt_len, 1 + length), []).append(
+            (report.tokens, work(batch, 1 + length, context, batch if length else 0, report.tokens), seconds))
+
+    scratch.step_observers.append(observe)
+    vocab = engine.vocab_size
+    passes: dict[tuple[int, int, int], list[tuple[int, float, float]]] = {}
+    for round_ in range(ROUNDS):
+        order = list(enumerate(zip(shapes, schedules)))
+        for k, ((batch, prompt_len, _), schedule) in order if round_ % 2 == 0 else order[::-1]:
+            prompt = [(17 + 31 * i) % vocab for i in range(prompt_len)]
+            params = SamplingParams(n=batch, temperature=1.0, max_tokens=len(schedule) + deepest + 2,
+                                    ignore_eos=True, seed=k)
+            request = scratch.make_request(f"calibrate-{round_}-{k}", prompt, params, spec)
+            lane = Lane(spec, vocab)
+            lane.drafter = _ChainDrafter(schedule, prompt[0])
+            scratch.lanes[request.lane] = lane
+            scratch.enqueue(request)
+            step = 0
+            while scratch.has_unfinished_requests() and step < len(schedule):
+                scratch.step()
+            scratch.abort(request.request_id)
+            scratch.lanes.clear()
+            for shape, rows in timed.items():  # this pass's median of each shape it ran
+                passes.setdefault(shape, []).append(tuple(statistics.median(column) for column in zip(*rows)))
+            timed.clear()
+    measurements = [Measurement(batch, round(tokens), w, qmax > 1, seconds)
+                    for (batch, _, qmax), rows in passes.items()
+                    for tokens, w, seconds in [min(rows, key=lambda row: row[2])]]
+    return StepCosts.fit(measurements)
+
+
+# ---------------------------------------------------------------------- the cache
+
+def machine() -> str:
+    """The processor the steps run on, as its vendor names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(engine: "LLMEngine", model_key: str) -> dict:
+    """What the step costs depend on: the model, its dtype and device, the machine, the software."""
+    from multispec import __version__
+
+    device = engine.device
+    processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "multispec": __version__}
+
+
+def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path) -> StepCosts:
+    """The engine's step costs from the cache, or measured now (and cached) when not there. No
+    ``model_key`` (an engine built without one): measured, not cached."""
+    key = cache_key(engine, model_key) if model_key else None
+    path = None
+    if key is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        path = cache_dir / "step-costs" / f"{digest}.json"
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return StepCosts(**stored["costs"])
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+    log.info("measuring decode step costs for the draft budget (once per machine and model)")
+    costs = measure(engine)
+    log.info("%s", costs.table())
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps({"key": key, "costs": asdict(costs)}, indent=1))
+            scratch.replace(path)
+        except OSError as error:
+            log.warning("could not cache the step costs in %s (%s); they are measured again next time", path, error)
+    return costs

@@ -1,0 +1,122 @@
+"""Step costs: the fit recovers a cost law from timings at the calibration's shapes, the
+measurement runs the engine's own step without touching the engine's state, and the result is
+cached per machine and model."""
+
+import json
+import logging
+
+import pytest
+
+from multispec.engine import costs as costs_module
+from multispec.engine.costs import (CONTEXT_BATCHES, DRAFT_BATCHES, DRAFT_LENGTHS, LONG_PROMPT, PLAIN_BATCHES,
+                                    SHORT_PROMPT, Measurement, StepCosts, load_or_measure, work)
+
+
+def law_measurements(base, per_work: float, extra) -> list[Measurement]:
+    """What timing the calibration's shapes gives when a step costs ``base(tokens) + per_work *
+    work + extra(batch)`` (the last only with drafts)."""
+    extra = extra if callable(extra) else (lambda batch, value=extra: value)
+    out = []
+    for batch in PLAIN_BATCHES:
+        lengths = (0, *DRAFT_LENGTHS) if batch in DRAFT_BATCHES else (0,)
+        prompts = (SHORT_PROMPT, LONG_PROMPT) if batch in CONTEXT_BATCHES else (SHORT_PROMPT,)
+        for prompt in prompts:
+            for length in lengths if prompt == SHORT_PROMPT else (0,):
+                tokens, qmax, context = batch * (1 + length), 1 + length, prompt + 8
+                w = work(batch, qmax, context, batch if length else 0, tokens)
+                seconds = base(tokens) + per_work * w + (extra(batch) if length else 0.0)
+                out.append(Measurement(batch, tokens, w, bool(length), seconds))
+    return out
+
+
+def law_costs(base, per_work: float = 0.0, extra=0.0) -> StepCosts:
+    return StepCosts.fit(law_measurements(base, per_work, extra))
+
+
+def knee(tokens: int) -> float:
+    """A CPU-like base: flat (overhead-bound) up to 32 tokens, then 1 ms a token."""
+    return 0.04 + 0.001 * max(0, tokens - 32)
+
+
+def test_the_fit_recovers_a_law_with_a_knee_attention_and_a_drafting_extra():
+    costs = law_costs(knee, per_work=0.02, extra=lambda batch: 0.002 + 0.0001 * batch)
+    assert costs.per_work == pytest.approx(0.02)
+    for tokens in (1, 4, 16, 32, 64, 128, 256):
+        assert costs.base_at(tokens) == pytest.approx(knee(tokens))
+    assert costs.base_at(512) == pytest.approx(knee(512))  # past the last point: the last slope
+    # A step shape the calibration never ran: 24 samples, 10 of them drafting 2 tokens, context 300.
+    batch, tokens, qmax, drafting = 24, 44, 3, 10
+    expected = knee(tokens) + 0.02 * work(batch, qmax, 300, drafting, tokens) + 0.002 + 0.0001 * batch
+    assert costs.seconds(tokens, batch, qmax, 300, drafting) == pytest.approx(expected, rel=0.02)
+    assert costs.seconds(24, 24, 1, 300) == pytest.approx(knee(24) + 0.02 * work(24, 1, 300))
+
+
+def test_noise_never_makes_more_tokens_cheaper():
+    measurements = law_measurements(knee, 0.0, 0.001)
+    noisy = [Measurement(m.batch, m.tokens, m.work, m.drafting, m.seconds * (0.8 if m.tokens == 16 else 1.0))
+             for m in measurements]
+    costs = StepCosts.fit(noisy)
+    assert costs.base == sorted(costs.base)
+    assert costs.extra == sorted(costs.extra) and min(costs.extra) >= 0.0
+
+
+def test_measuring_runs_every_shape_and_leaves_the_engine_as_it_was(tiny, monkeypatch):
+    fitted = []
+    monkeypatch.setattr(StepCosts, "fit", classmethod(lambda cls, ms: fitted.append(ms) or StepCosts([1], [1.0], 0.0,
+                                                                                                      [1], [0.0])))
+    engine = tiny.engine
+    stats_before = (engine.stats.decode_forwards, engine.stats.generated_tokens)
+    costs_module.measure(engine)
+    (measurements,) = fitted
+    shapes = {(m.batch, m.tokens, m.drafting) for m in measurements}
+    expected_plain = {(b, b, False) for b in PLAIN_BATCHES}
+    expected_drafting = {(b, b * (1 + L), True) for b in DRAFT_BATCHES for L in DRAFT_LENGTHS}
+    assert expected_plain | expected_drafting <= shapes
+    long_context = [m for m in measurements if m.batch in CONTEXT_BATCHES and not m.drafting]
+    assert len(long_context) == 2 * len(CONTEXT_BATCHES)
+    assert all(m.seconds > 0 for m in measurements)
+    assert (engine.stats.decode_forwards, engine.stats.generated_tokens) == stats_before
+    assert not engine.requests and not engine.lanes
+
+
+def test_the_costs_are_cached_per_machine_and_model(tiny, tmp_path, monkeypatch, caplog):
+    calls = []
+    prices = StepCosts([1, 64], [0.01, 0.05], 0.001, [1, 64], [0.0, 0.002])
+    monkeypatch.setattr(costs_module, "measure", lambda engine: calls.append(engine) or prices)
+    engine = tiny.engine
+    assert load_or_measure(engine, "model-a", tmp_path) == prices and len(calls) == 1
+    (stored,) = (tmp_path / "step-costs").glob("*.json")
+    key = json.loads(stored.read_text())["key"]
+    assert key["model"] == "model-a" and key["dtype"] == "float32" and key["processor"]
+    assert load_or_measure(engine, "model-a", tmp_path) == prices and len(calls) == 1  # from the cache
+    load_or_measure(engine, "model-b", tmp_path)  # other weights: measured again, cached apart
+    assert len(calls) == 2 and len(list((tmp_path / "step-costs").glob("*.json"))) == 2
+    load_or_measure(engine, None, tmp_path)  # nothing names the weights: measured, never cached
+    assert len(calls) == 3 and len(list((tmp_path / "step-costs").glob("*.json"))) == 2
+    stored.write_text("{not json")  # a damaged file is measured again and rewritten
+    assert load_or_measure(engine, "model-a", tmp_path) == prices and len(calls) == 4
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING, logger="multispec"):
+        assert load_or_measure(engine, "model-a", blocked) == prices  # cannot write: still served
+    assert "could not cache the step costs" in caplog.text
+
+
+def test_the_engine_measures_once_and_only_for_an_adaptive_budget(successor_dir, tmp_path, monkeypatch):
+    from multispec import LLM, SamplingParams, SpecConfig
+
+    calls = []
+    real = costs_module.measure
+    monkeypatch.setattr(costs_module, "measure", lambda engine: calls.append(1) or real(engine))
+    llm = LLM(str(successor_dir), dtype="float32", cache_dir=str(tmp_path), kv_cache_memory=0.01)
+    params = SamplingParams(n=4, temperature=0.7, max_tokens=12, seed=0)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.generate([[5, 6, 7]], params, spec=SpecConfig(drafter="consensus", adaptive=False), use_tqdm=False)
+    assert calls == []  # plain decoding and fixed drafts never price a step
+    llm.generate([[5, 6, 7]], params, spec=SpecConfig(drafter="consensus"), use_tqdm=False)
+    llm.generate([[5, 6, 7]], params, spec=SpecConfig(drafter="ngram"), use_tqdm=False)
+    assert calls == [1]
+    again = LLM(str(successor_dir), dtype="float32", cache_dir=str(tmp_path), kv_cache_memory=0.01)
+    again.generate([[5, 6, 7]], params, spec=SpecConfig(drafter="consensus"), use_tqdm=False)
+    assert calls == [1]  # the second engine on the same weights reads the cache
+    assert again.engine.step_costs() == llm.engine.step_costs()
