@@ -154,9 +154,13 @@ class LLMEngine:
         self.enqueue(self.make_request(request_id, prompt_ids, params, spec, prompt=prompt, output_kind=output_kind))
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request made by ``make_request``."""
+        """Queue a request made by ``make_request``. The first with an adaptive draft budget
+        has the step costs measured here (once per machine and model, about ten seconds for the
+        default model on a small CPU), between steps, so that no step's time includes it."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
+        if request.spec.speculates and request.spec.adaptive:
+            self.step_costs()
         self.requests[request.request_id] = request
         self.scheduler.waiting.append(request)
 
