@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first run the same job with plain decoding and print the speedup")
     gsm.set_defaults(func=cmd_gsm8k)
 
+    from multispec.serve import cli as serve_cli
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (streaming, continuous batching)")
+    serve_cli.add_arguments(srv)
+    srv.set_defaults(func=serve_cli.run)
+
     from multispec import analysis
 
     ana = sub.add_parser("analyze-verify", help="expected acceptance of every verification scheme")

@@ -1,0 +1,172 @@
+"""The FastAPI application of ``multispec serve``, built on an ``AsyncLLM``.
+
+Routes stay thin: check the model name, turn the body into engine inputs
+(``multispec.serve.sampling``), pass the queue gate, then answer with the whole response or a
+stream (``multispec.serve.generation``). Every refusal, wherever it is found, is OpenAI's error
+body (``multispec.serve.errors``) and is counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+import multispec
+from multispec.async_llm import AsyncLLM
+from multispec.serve.errors import APIError, from_exception, from_validation_error
+from multispec.serve.formats import ChatFormat, CompletionFormat
+from multispec.serve.generation import Generation, Run, Traffic
+from multispec.serve.guard import Guard
+from multispec.serve.metrics import Metrics
+from multispec.serve.sampling import Limits, chat_inputs, completion_inputs
+from multispec.serve.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+CLIENT_CLOSED = 499
+"""The status logged for a request whose client left before the answer (nginx's convention)."""
+
+
+@dataclass
+class ServerConfig:
+    """What ``multispec serve`` sets beyond the model: the name clients use, the key, the limits."""
+
+    served_model_name: str
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_queued_requests: int = 256
+    max_request_bytes: int = 8 << 20
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose engine requests are aborted however the response ends: finished,
+    failed, or cut short by the client leaving (which cancels the stream)."""
+
+    def __init__(self, events, generation: Generation):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.generation.close()
+
+
+def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """The app; it owns ``async_llm`` from here on and shuts it down when the server stops."""
+    engine = async_llm.engine
+    traffic = Traffic(config.max_queued_requests)
+    metrics = Metrics(async_llm, traffic)
+    default_spec = async_llm.llm.spec
+    started = int(time.time())
+    ids = itertools.count()
+    instance = secrets.token_hex(4)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await asyncio.to_thread(async_llm.shutdown)
+
+    app = FastAPI(title="multispec", version=multispec.__version__, lifespan=lifespan)
+
+    def reject(error: APIError) -> JSONResponse:
+        metrics.rejected.labels(str(error.status)).inc()
+        return error.response()
+
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes, reject=reject)
+    app.add_exception_handler(APIError, lambda _request, error: reject(error))
+    app.add_exception_handler(RequestValidationError, lambda _request, error: reject(from_validation_error(error)))
+    app.add_exception_handler(HTTPException,
+                              lambda _request, error: reject(APIError(error.status_code, str(error.detail))))
+    app.add_exception_handler(Exception, lambda _request, error: reject(from_exception(error)))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {config.served_model_name!r}",
+                           "model", "model_not_found")
+
+    def check_healthy() -> None:
+        if not async_llm.healthy:
+            raise APIError(503, f"the engine loop stopped: {async_llm.error}", code="engine_dead")
+
+    async def answer(body, inputs, fmt, request: Request) -> Response:
+        check_healthy()
+        traffic.check()
+        generation = Generation(async_llm, inputs, f"{instance}{next(ids)}", traffic)
+        run = Run(generation, fmt, config.served_model_name, inputs.params.n, metrics)
+        generation.start()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(run.events(include_usage), generation)
+        try:
+            response = await _unless_client_leaves(run.collect(), request)
+        except Exception as error:  # noqa: BLE001 - an error of this request or of the engine
+            raise from_exception(error) from None
+        finally:
+            await generation.close()
+        if response is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        inputs = completion_inputs(body, engine, default_spec, config.limits)
+        fmt = CompletionFormat(engine.tokenizer, body.logprobs, bool(body.return_tokens_as_token_ids))
+        return await answer(body, inputs, fmt, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        inputs = chat_inputs(body, engine, default_spec, config.limits)
+        fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids))
+        return await answer(body, inputs, fmt, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=config.served_model_name, created=started, root=str(async_llm.llm.model_name),
+                         max_model_len=engine.config.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        check_healthy()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": multispec.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _unless_client_leaves(work, request: Request):
+    """Await ``work``; if the client disconnects first, cancel it (its engine requests are then
+    aborted) and return None: there is nobody left to answer."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

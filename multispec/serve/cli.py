@@ -1,0 +1,74 @@
+"""``multispec serve [MODEL]``: its arguments and the runner (model loaded, then uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_name", nargs="?", metavar="MODEL",
+                        help="registered name, Hugging Face checkpoint directory or .gguf file (or --model)")
+    _add_model_args(parser)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context window (default: the model's)")
+    _add_spec_args(parser, drafter="consensus")
+    parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients give as 'model' (default: the model as given)")
+    parser.add_argument("--api-key", default=os.environ.get("MULTISPEC_API_KEY"),
+                        help="every /v1 request must send 'Authorization: Bearer KEY' (default: $MULTISPEC_API_KEY)")
+    parser.add_argument("--max-n", type=int, default=64, help="samples per request (default: %(default)s)")
+    parser.add_argument("--max-tokens-limit", type=int, default=None,
+                        help="tokens per sample a request may ask for (default: the context window)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="requests waiting to start beyond which new ones get 503 (default: %(default)s)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                        help="largest request body; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    """Load the model, then serve until interrupted."""
+    import uvicorn
+
+    from multispec.api import LLM
+    from multispec.async_llm import AsyncLLM
+    from multispec.serve.app import ServerConfig, build_app
+    from multispec.serve.sampling import Limits
+
+    model = _model(args)
+    for name in ("max_n", "max_queued_requests", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise ValueError(f"--max-tokens-limit={args.max_tokens_limit}: must be >= 1")
+    spec = _spec(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+              spec=spec, device=args.device)
+    if spec.speculates and spec.adaptive:  # the draft budget's prices, before the first client waits on them
+        llm.engine.step_costs()
+    config = ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key or None,
+                          limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit),
+                          max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
+    app = build_app(AsyncLLM(llm), config)
+    print(f"multispec: serving {config.served_model_name!r} ({model} on {llm.device}, "
+          f"{str(llm.dtype).removeprefix('torch.')}, drafter {spec.drafter}) at http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _model(args) -> str:
+    """The model named positionally or by ``--model`` (the default model when neither is given)."""
+    if args.model_name is None:
+        return args.model
+    if args.model not in (DEFAULT_MODEL, args.model_name):
+        raise ValueError(f"the model is named twice: {args.model_name!r} and --model {args.model!r}")
+    return args.model_name

@@ -1,0 +1,139 @@
+"""How completions and chat completions present samples: the response, its stream chunks and the
+log-probabilities, in OpenAI's (and vLLM's) shapes.
+
+Both endpoints run the same way (``multispec.serve.generation``); only these shapes differ. A
+format turns one sample's delta (new text, token ids, log-probabilities, a finish reason) into a
+chunk choice, and a finished ``Choice`` (the deltas gathered) into a response choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from multispec.params import CompletionOutput
+from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                     ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
+                                     CompletionResponse, Delta, TokenLogprob, TopLogprob)
+
+
+@dataclass
+class Choice:
+    """One sample's deltas gathered: its text, token count, log-probabilities and finish."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: BaseModel | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0
+
+    def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
+        self.text.append(delta.text)
+        self.tokens += len(delta.token_ids)
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if logprobs is None:
+            return
+        if self.logprobs is None:
+            self.logprobs = logprobs
+            return
+        for name in type(logprobs).model_fields:  # every field of a log-probability block is a list
+            getattr(self.logprobs, name).extend(getattr(logprobs, name))
+
+
+class CompletionFormat:
+    endpoint = "/v1/completions"
+    id_prefix = "cmpl"
+
+    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False):
+        self.text = _token_text(tokenizer)
+        self.token_text = _token_id if token_ids else self.text
+        self.top_logprobs = top_logprobs
+
+    def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
+        return []
+
+    def logprobs(self, delta: CompletionOutput, choice: Choice) -> CompletionLogprobs | None:
+        """Tokens as text, their log-probabilities, the top ones by text, and where each token's
+        text starts in the choice's text (as vLLM reports them)."""
+        if self.top_logprobs is None or delta.logprobs is None:
+            return None
+        block = CompletionLogprobs()
+        for token, entry in zip(delta.token_ids, delta.logprobs):
+            block.tokens.append(self.token_text(token))
+            block.token_logprobs.append(entry[token])
+            block.top_logprobs.append({self.token_text(t): lp for t, lp in entry.items()})
+            block.text_offset.append(choice.text_offset)
+            choice.text_offset += len(self.text(token))
+        return block
+
+    def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
+              logprobs: BaseModel | None) -> CompletionResponse:
+        return CompletionResponse(id=response_id, created=created, model=model, choices=[CompletionChoice(
+            index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason)])
+
+    def tail(self, response_id: str, created: int, model: str, **extra) -> CompletionResponse:
+        return CompletionResponse(id=response_id, created=created, model=model, choices=[], **extra)
+
+    def response(self, response_id: str, created: int, model: str, choices: list[Choice],
+                 **extra) -> CompletionResponse:
+        return CompletionResponse(id=response_id, created=created, model=model, choices=[
+            CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason,
+                             stop_reason=c.stop_reason) for i, c in enumerate(choices)], **extra)
+
+
+class ChatFormat:
+    endpoint = "/v1/chat/completions"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False):
+        self.token_text = _token_id if token_ids else _token_text(tokenizer)
+        self.top_logprobs = top_logprobs
+
+    def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
+        """Each choice's first chunk carries the role only, as OpenAI's and vLLM's streams do."""
+        return [ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
+            ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(choices)]
+
+    def logprobs(self, delta: CompletionOutput, choice: Choice) -> ChatLogprobs | None:
+        """Each token's text, bytes and log-probability, with the ``top_logprobs`` likeliest tokens."""
+        if self.top_logprobs is None or delta.logprobs is None:
+            return None
+        content = []
+        for token, entry in zip(delta.token_ids, delta.logprobs):
+            top = sorted(entry.items(), key=lambda item: -item[1])[:self.top_logprobs]
+            content.append(TokenLogprob(**self._entry(token, entry[token]).model_dump(),
+                                        top_logprobs=[self._entry(t, lp) for t, lp in top]))
+        return ChatLogprobs(content=content)
+
+    def _entry(self, token: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
+              logprobs: BaseModel | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[ChatChunkChoice(
+            index=index, delta=Delta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason)])
+
+    def tail(self, response_id: str, created: int, model: str, **extra) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], **extra)
+
+    def response(self, response_id: str, created: int, model: str, choices: list[Choice],
+                 **extra) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=response_id, created=created, model=model, choices=[
+            ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)), logprobs=c.logprobs,
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
+            **extra)
+
+
+def _token_text(tokenizer):
+    """One token as text, special tokens included (a lone piece of a multi-byte character shows as U+FFFD)."""
+    return lambda token: tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _token_id(token: int) -> str:
+    """A token named by its id, which text cannot always do (``return_tokens_as_token_ids``)."""
+    return f"token_id:{token}"

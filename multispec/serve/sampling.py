@@ -1,0 +1,164 @@
+"""From an API request to what the engine takes: token ids per prompt, ``SamplingParams`` and
+``SpecConfig``, every one of them checked before anything runs.
+
+The whole of the engine's own check (``LLMEngine.make_request``) runs here on every prompt, so a
+request with one bad prompt runs none and gets a 400 naming the field, never an error half-way
+through a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields, replace
+
+from multispec.params import SamplingParams, SpecConfig
+from multispec.serve.errors import from_value_error, invalid
+from multispec.serve.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+log = logging.getLogger("multispec.serve")
+
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a token may ask for (vLLM's default limit)."""
+COMPLETIONS_MAX_TOKENS = 16
+"""OpenAI's and vLLM's default ``max_tokens`` for completions (chat defaults to the rest of the context)."""
+SPEC_FIELDS = frozenset(f.name for f in fields(SpecConfig))
+
+
+@dataclass
+class Limits:
+    """The server's per-request limits (``multispec serve --max-n``, ``--max-tokens-limit``)."""
+
+    max_n: int = 64
+    max_tokens: int | None = None
+
+
+@dataclass
+class EngineInputs:
+    """One request, checked and ready to run: a token-id list per prompt and its settings."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    spec: SpecConfig
+
+
+def completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """A string, a list of strings, token ids or a list of token-id lists, as token-id lists."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not prompt:
+        raise invalid("prompt", "prompt is empty: give a string, a list of strings, token ids or a list of them")
+    prompts = []
+    for i, item in enumerate(prompt):
+        ids = tokenizer.encode(item) if isinstance(item, str) and item else item
+        if not ids:
+            raise invalid("prompt", f"prompt {i} is empty")
+        prompts.append(list(ids))
+    return prompts
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
+    """The conversation rendered with the checkpoint's chat template (text parts of a message are
+    joined by newlines, as vLLM does), as token ids."""
+    if not request.messages:
+        raise invalid("messages", "messages is empty: give at least one message")
+    conversation = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        conversation.append({"role": message.role, "content": content or "", "name": message.name})
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    except ValueError as error:
+        raise invalid("messages", str(error)) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConfig, limits: Limits) -> EngineInputs:
+    if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
+        raise invalid("logprobs", f"logprobs={request.logprobs}: at most {MAX_LOGPROBS}")
+    prompts = completion_prompts(request.prompt, engine.tokenizer)
+    max_tokens = request.max_tokens if request.max_tokens is not None else COMPLETIONS_MAX_TOKENS
+    return _inputs(request, prompts, engine, default_spec, limits, max_tokens, request.logprobs,
+                   {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"})
+
+
+def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig, limits: Limits) -> EngineInputs:
+    if request.top_logprobs is not None:
+        if not request.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
+        if request.top_logprobs > MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"top_logprobs={request.top_logprobs}: at most {MAX_LOGPROBS}")
+    prompts = [chat_prompt(request, engine.tokenizer)]
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _inputs(request, prompts, engine, default_spec, limits, max_tokens, logprobs,
+                   {"max_tokens": field, "logprobs": "top_logprobs", "prompt": "messages"})
+
+
+def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, default_spec: SpecConfig, limits: Limits,
+            max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> EngineInputs:
+    """Settings checked against the server's limits and the context window, then the engine's
+    own check on every prompt."""
+    names = {**names, **{name: "speculation" for name in SPEC_FIELDS}}
+    _check_extra_fields(request)
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    n = request.n if request.n is not None else 1
+    if n > limits.max_n:
+        raise invalid("n", f"n={n}: this server draws at most {limits.max_n} samples per request")
+    window = engine.config.max_model_len
+    longest = max(len(ids) for ids in prompts)
+    if max_tokens is None:
+        max_tokens = max(1, min(limits.max_tokens or window, window - longest))
+    elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
+        raise invalid(names["max_tokens"], f"{names['max_tokens']}={max_tokens}: this server allows at most "
+                                           f"{limits.max_tokens} tokens per sample")
+    elif longest < window < longest + max_tokens:
+        raise invalid(names["max_tokens"], f"this model's context is {window} tokens, but the prompt has {longest} "
+                                           f"and {names['max_tokens']}={max_tokens} asks for more than the rest")
+    spec = speculation(default_spec, request.speculation)
+    try:
+        params = SamplingParams(
+            n=n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed, stop=request.stop,
+            stop_token_ids=request.stop_token_ids, **_given(request, temperature=1.0, top_p=1.0, top_k=0,
+                                                            ignore_eos=False))
+        for i, ids in enumerate(prompts):
+            name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            engine.make_request(f"check-{i}", ids, params, spec, name=name)
+    except ValueError as error:
+        raise from_value_error(error, names, names["prompt"]) from None
+    return EngineInputs(prompts, params, spec)
+
+
+def _check_extra_fields(request: GenerationRequest) -> None:
+    """Log the fields nobody declared and ignore them, as vLLM does; refuse those that would change
+    the output in a way the engine does not offer."""
+    extra = request.model_extra or {}
+    for name, value in extra.items():
+        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
+            raise invalid(name, f"{name}={value!r}: not supported by this server")
+    ignored = sorted(set(extra) - set(UNSUPPORTED))
+    if ignored:
+        log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+
+
+def _given(request: GenerationRequest, **defaults) -> dict:
+    """Each named field's value, or its default where the request left it out or sent null."""
+    return {name: default if getattr(request, name) is None else getattr(request, name)
+            for name, default in defaults.items()}
+
+
+def speculation(default: SpecConfig, overrides: dict | None) -> SpecConfig:
+    """The server's speculation settings with the request's overrides (checked by ``SpecConfig``)."""
+    if not overrides:
+        return default
+    unknown = sorted(set(overrides) - SPEC_FIELDS)
+    if unknown:
+        raise invalid("speculation", f"speculation: unknown field(s) {', '.join(unknown)}; the fields are "
+                                     f"{', '.join(sorted(SPEC_FIELDS))}")
+    try:
+        return replace(default, **overrides)
+    except ValueError as error:
+        raise invalid("speculation", f"speculation: {error}") from None

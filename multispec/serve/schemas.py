@@ -1,0 +1,195 @@
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's field names.
+
+Requests: every field is optional where OpenAI's is, and ``None`` (an explicit JSON null
+included) means the default. Types are checked here; values (ranges, limits) are checked by
+``multispec.serve.sampling`` and ``SamplingParams`` so that each error names its field. Fields
+nobody declared are kept in ``model_extra`` to be logged and ignored, as vLLM does, except the
+known ones whose effect the engine does not offer (``UNSUPPORTED``), which are refused unless
+they ask for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UNSUPPORTED: dict[str, tuple] = {
+    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "min_tokens": (0,), "suffix": ("",), "tools": ([],),
+}
+"""Fields that would change the output and that the engine does not implement, with the values
+that ask for nothing (None always does)."""
+
+
+def _omit_none():
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """Log-probabilities name tokens as ``token_id:<id>`` instead of their text (vLLM's extra)."""
+    speculation: dict[str, Any] | None = None
+    """Overrides of the server's ``SpecConfig`` fields for this request (``{"drafter": "none"}``)."""
+    user: str | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculationFigures(BaseModel):
+    """How the request's samples speculated: target ``forwards`` its prompts took part in (summed
+    over its prompts), ``tau`` (tokens a sample gained per forward), the drafted and accepted
+    tokens and their ratio."""
+
+    forwards: int
+    tau: float
+    acceptance_rate: float
+    drafted_tokens: int
+    accepted_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float]] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omit_none()
+    speculation: SpeculationFigures | None = _omit_none()
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = []
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = _omit_none()
+    speculation: SpeculationFigures | None = _omit_none()
+
+
+class Delta(BaseModel):
+    role: str | None = _omit_none()
+    content: str | None = _omit_none()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omit_none()
+    speculation: SpeculationFigures | None = _omit_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "multispec"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,149 @@
+"""The server end to end through the official ``openai`` client: completions and chat, n = 1 and
+8, streamed and not, log-probabilities, stop rules, seeds, usage, and the same samples as
+``LLM.generate``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from multispec import SamplingParams
+
+PROMPT = "Hello world! The quick brown fox"
+CHAT = [{"role": "user", "content": "The quick brown fox"}]
+
+
+def stream_texts(stream) -> tuple[dict[int, str], dict[int, list[str]], list]:
+    """Texts by choice index, the finish reasons each index got, and the chunks without choices."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    tails = []
+    for chunk in stream:
+        if not chunk.choices:
+            tails.append(chunk)
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason is not None:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    return texts, finishes, tails
+
+
+def test_models_health_version(server, client):
+    (card,) = client.models.list().data
+    assert card.id == "tiny" and card.model_extra["max_model_len"] == 256
+    assert server.request("GET", "/health")[0] == 200
+    status, _, body = server.request("GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_completions_n_samples_usage_and_logprobs(client, tiny, n):
+    out = client.completions.create(model="tiny", prompt=PROMPT, n=n, max_tokens=12, temperature=0.8, seed=3,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(n))
+    assert all(c.finish_reason == "length" and len(c.logprobs.tokens) == 12 for c in out.choices)
+    for c in out.choices:  # the top 2 and the sampled token, by text (distinct tokens may read the same)
+        pairs = zip(c.logprobs.tokens, c.logprobs.top_logprobs)
+        assert all(1 <= len(top) <= 3 and token in top for token, top in pairs)
+    assert out.usage.prompt_tokens == len(tiny.tokenizer.encode(PROMPT))
+    assert out.usage.completion_tokens == n * 12 == sum(len(c.logprobs.tokens) for c in out.choices)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert set(out.model_extra["speculation"]) == {"forwards", "tau", "acceptance_rate", "drafted_tokens",
+                                                   "accepted_tokens"}
+
+
+def test_streamed_completion_is_the_unstreamed_one_with_usage_last(client):
+    settings = dict(model="tiny", prompt=PROMPT, n=4, max_tokens=20, temperature=1.0, seed=7)
+    whole = client.completions.create(**settings)
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **settings)
+    texts, finishes, tails = stream_texts(stream)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
+    (tail,) = tails
+    assert tail.usage.completion_tokens == whole.usage.completion_tokens
+    assert tail.model_extra["speculation"]["forwards"] >= 1
+
+
+def test_seeds_reproduce_and_lists_of_prompts_number_choices_prompt_by_prompt(client, tiny):
+    settings = dict(model="tiny", n=3, max_tokens=10, temperature=1.0, seed=11)
+    first = client.completions.create(prompt=[PROMPT, "The lazy dog"], **settings)
+    again = client.completions.create(prompt=[PROMPT, "The lazy dog"], **settings)
+    alone = client.completions.create(prompt="The lazy dog", **settings)
+    assert [c.index for c in first.choices] == list(range(6))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.text for c in first.choices[3:]] == [c.text for c in alone.choices]
+    assert first.usage.prompt_tokens == len(tiny.tokenizer.encode(PROMPT)) + len(tiny.tokenizer.encode("The lazy dog"))
+
+
+def token_ids(choice) -> list[int]:
+    """A choice's token ids, read from log-probabilities asked with ``return_tokens_as_token_ids``."""
+    logprobs = choice.logprobs
+    tokens = logprobs.tokens if hasattr(logprobs, "tokens") else [entry.token for entry in logprobs.content]
+    return [int(token.removeprefix("token_id:")) for token in tokens]
+
+
+def test_greedy_and_seeded_samples_equal_llm_generate(client, tiny):
+    """The server's default speculation (the consensus drafter) gives the samples plain decoding
+    gives; a sample's text may only lack what ``decode`` shows of a character cut at the end."""
+    ids = tiny.tokenizer.encode(PROMPT)
+    exact = {"return_tokens_as_token_ids": True}
+    for temperature in (0.0, 0.7):
+        want = tiny.generate([ids], SamplingParams(n=3, temperature=temperature, max_tokens=24, seed=5),
+                             use_tqdm=False)[0].outputs
+        got = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=24, temperature=temperature, seed=5,
+                                        logprobs=0, extra_body=exact)
+        assert [token_ids(c) for c in got.choices] == [c.token_ids for c in want], temperature
+        assert all(w.text.startswith(c.text) for c, w in zip(got.choices, want))
+        assert got.usage.completion_tokens == sum(len(c.token_ids) for c in want)
+    want = tiny.chat(CHAT, SamplingParams(n=2, temperature=0.0, max_tokens=16, seed=0), use_tqdm=False)[0].outputs
+    got = client.chat.completions.create(model="tiny", messages=CHAT, n=2, max_tokens=16, temperature=0.0, seed=0,
+                                         logprobs=True, extra_body=exact)
+    assert [token_ids(c) for c in got.choices] == [c.token_ids for c in want]
+
+
+def test_stop_strings_and_stop_token_ids(client, tiny):
+    want = tiny.generate([PROMPT], SamplingParams(temperature=0.9, max_tokens=30, seed=2, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    base = dict(model="tiny", prompt=PROMPT, temperature=0.9, max_tokens=30, seed=2)
+    token = next(t for t in want.token_ids[3:] if t not in tiny.tokenizer.eos_token_ids)
+    got = client.completions.create(extra_body={"stop_token_ids": [token], "ignore_eos": True}, **base)
+    choice = got.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == token
+    assert got.usage.completion_tokens == want.token_ids.index(token) + 1
+    stop = next(ch for ch in want.text[1:] if ch.isascii() and ch.isalnum())
+    got = client.completions.create(stop=[stop], extra_body={"ignore_eos": True}, **base)
+    choice = got.choices[0]
+    assert choice.text == want.text[:want.text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 8])
+def test_chat_n_samples_streamed_or_not_with_logprobs(client, n, stream):
+    settings = dict(model="tiny", messages=CHAT, n=n, max_completion_tokens=10, temperature=1.0, seed=4,
+                    logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**settings)
+    assert [c.index for c in whole.choices] == list(range(n))
+    assert all(c.message.role == "assistant" for c in whole.choices)
+    assert all(len(entry.top_logprobs) == 2 for c in whole.choices for entry in c.logprobs.content)
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
+    if stream:
+        texts, finishes, tails = stream_texts(client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **settings))
+        assert texts == {c.index: c.message.content for c in whole.choices}
+        assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
+        assert tails[0].usage == whole.usage
+
+
+def test_metrics_count_requests_tokens_and_speculation(server, client):
+    client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=5)
+    samples = server.metrics()
+    assert samples['multispec_requests_total{endpoint="/v1/completions",outcome="ok"}'] >= 1
+    assert samples["multispec_generation_tokens_total"] >= 10
+    assert samples["multispec_step_seconds_count"] >= 1
+    for name in ("multispec_tau", "multispec_draft_acceptance_rate", "multispec_requests_waiting",
+                 "multispec_requests_running", "multispec_samples_running", "multispec_prompt_tokens_total"):
+        assert name in samples
+    assert samples["multispec_engine_healthy"] == 1.0
