@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="first run the same job with plain decoding and print the speedup")
     gsm.set_defaults(func=cmd_gsm8k)
 
+    from multispec import batch
+
+    bat = sub.add_parser("batch", help="n completions for every request of a JSONL file, here or on a Ray cluster")
+    batch.add_arguments(bat)
+    bat.set_defaults(func=batch.run)
+
     from multispec.serve import cli as serve_cli
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server (streaming, continuous batching)")

@@ -1,0 +1,85 @@
+"""``multispec batch`` in this process on the tiny model, and its bad input (the Ray path is in
+test_distributed.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from multispec import cli
+from multispec.params import SamplingParams
+
+
+def write_requests(path, *lines) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def batch(model, requests, output, *extra) -> int:
+    return cli.main(["batch", "--model", str(model), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory",
+                     "0.05", "--input", requests, "--output", str(output), *extra])
+
+
+def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_path, capsys):
+    chat = [{"role": "user", "content": "The quick brown fox"}]
+    requests = write_requests(
+        tmp_path / "in.jsonl",
+        {"id": "first", "prompt": "Hello world", "seed": 3},
+        "",
+        {"messages": chat, "n": 3, "max_tokens": 4, "seed": 4, "answer": "ignored"},
+        {"id": 7, "prompt": "def f(x):", "temperature": 0},
+    )
+    assert batch(successor_dir, requests, tmp_path / "out.jsonl", "--n", "2", "--max-tokens", "6") == 0
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in results] == [0, 1, 2] and [r.get("id") for r in results] == ["first", None, 7]
+    assert [len(r["completions"]) for r in results] == [2, 3, 2]
+    assert all(c["tokens"] <= 4 for c in results[1]["completions"])
+    for result in results:
+        usage = result["usage"]
+        assert usage["completion_tokens"] == sum(c["tokens"] for c in result["completions"])
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    expected = tiny.chat(chat, SamplingParams(n=3, max_tokens=4, seed=4), use_tqdm=False)[0]
+    assert [c["text"] for c in results[1]["completions"]] == [c.text for c in expected.outputs]
+    greedy = results[2]["completions"]
+    assert greedy[0]["text"] == greedy[1]["text"]
+    assert "3 requests, 7 completions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ("[1, 2]", "line 2: expected a JSON object, got list"),
+    ({"text": "hi"}, "line 2: needs 'prompt' (text) or 'messages'"),
+    ({"prompt": "hi", "messages": []}, "line 2: needs 'prompt'"),
+    ({"prompt": ""}, "line 2: prompt=''"),
+    ({"messages": [{"role": "user"}]}, "line 2: messages="),
+    ({"prompt": "hi", "n": 0}, "line 2: n=0"),
+    ({"prompt": "hi", "temperature": -1}, "line 2: temperature=-1"),
+    ({"prompt": "hi", "seed": "one"}, "line 2: seed='one'"),
+])
+def test_a_bad_line_is_named(line, message, tmp_path, capsys):
+    requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)
+    assert batch("no-such-model", requests, tmp_path / "out.jsonl") == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("case", ["missing input", "empty input", "no output directory", "unreachable ray"])
+def test_bad_files_and_addresses_are_one_line_errors(case, tmp_path, capsys):
+    requests = write_requests(tmp_path / "in.jsonl", {"prompt": "hi"})
+    output, extra, named = tmp_path / "out.jsonl", [], "in.jsonl"
+    if case == "missing input":
+        requests = str(tmp_path / "nope.jsonl")
+        named = "nope.jsonl: no such file"
+    elif case == "empty input":
+        requests = write_requests(tmp_path / "in.jsonl", "", "  ")
+        named = "holds no request"
+    elif case == "no output directory":
+        output, named = tmp_path / "missing" / "out.jsonl", "missing"
+    else:
+        pytest.importorskip("ray")
+        extra, named = ["--ray", "127.0.0.1:1"], "127.0.0.1:1"
+    assert batch("no-such-model", requests, output, *extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multispec: error:") and named in err and len(err.splitlines()) == 1
