@@ -125,10 +125,10 @@ def cmd_gsm8k(args) -> int:
     stats = llm.last_stats
     correct = 0
     for i, (problem, out) in enumerate(zip(problems, outputs)):
-        voted, votes = majority_vote([c.text for c in out.outputs], extract_answer)
-        ok = voted == problem.answer
+        voted, votes = majority_vote([extract_answer(c.text) for c in out.outputs])
+        ok = voted == problem.reference
         correct += ok
-        print(f"Q{args.offset + i}: voted {voted} ({votes}/{len(out.outputs)} votes), reference {problem.answer} "
+        print(f"Q{args.offset + i}: voted {voted} ({votes}/{len(out.outputs)} votes), reference {problem.reference} "
               f"{'OK' if ok else 'WRONG'}")
     print(f"majority-vote accuracy {correct}/{len(problems)}; {stats.generated_tokens} tokens in "
           f"{stats.time_total:.1f}s = {stats.tokens_per_second:.1f} tokens/s ({spec.drafter} drafter)")
@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     ana = sub.add_parser("analyze-verify", help="expected acceptance of every verification scheme")
     analysis.add_arguments(ana)
     ana.set_defaults(func=analysis.run)
+
+    from multispec.reasoning import eval_command
+
+    ev = sub.add_parser("eval", help="a task's accuracy: self-consistency (with early stop), best-of-n or pass@k")
+    _add_model_args(ev)
+    _add_sampling_args(ev, n=8, max_tokens=256, temperature=0.7)
+    _add_spec_args(ev, drafter="consensus")
+    eval_command.add_arguments(ev)
+    ev.set_defaults(func=lambda args: eval_command.run(args, _sampling(args), _spec(args), _llm))
     return parser
 
 

@@ -1,41 +1,30 @@
-"""GSM8K: the vendored test split, answer extraction and the prompt the main job uses."""
+"""GSM8K: the vendored test split, its prompt and the numeric answer extraction."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
 from importlib import resources
+
+from multispec.reasoning.tasks.base import Problem, Task, read_jsonl, user_turn
 
 INSTRUCTION = ("Solve the problem step by step. End with the final answer as a number on its own line, "
                "in the form '#### <number>'.")
 
 
-@dataclass(frozen=True)
-class Problem:
-    question: str
-    solution: str
-
-    @property
-    def answer(self) -> str:
-        return reference_answer(self.solution)
-
-    def chat(self) -> list[dict]:
-        """The conversation the main job and the benchmarks send: the question, then ``INSTRUCTION``."""
-        return [{"role": "user", "content": f"{self.question}\n{INSTRUCTION}"}]
-
-
 def load_gsm8k(limit: int | None = None, offset: int = 0) -> list[Problem]:
     """The test problems in file order (offset/limit select a slice; a slice that would be empty
-    is a ValueError naming the option)."""
-    text = resources.files("multispec.reasoning").joinpath("data/gsm8k_test.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    is a ValueError naming the option). Each asks the question, then ``INSTRUCTION``; its
+    reference is the number after the solution's '####'."""
+    with resources.as_file(resources.files("multispec.reasoning").joinpath("data/gsm8k_test.jsonl")) as path:
+        rows = read_jsonl(path, [("question",), ("answer",)])
     if not 0 <= offset < len(rows):
         raise ValueError(f"offset={offset}: the GSM8K test set has {len(rows)} questions, numbered 0 to {len(rows) - 1}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit}: must be >= 1 (or None for all)")
-    rows = rows[offset: None if limit is None else offset + limit]
-    return [Problem(r["question"], r["answer"]) for r in rows]
+    end = None if limit is None else offset + limit
+    return [Problem(f"gsm8k/{i}", r["question"], reference_answer(r["answer"]),
+                    user_turn(f"{r['question']}\n{INSTRUCTION}"))
+            for i, r in enumerate(rows[offset:end], offset)]
 
 
 def reference_answer(solution: str) -> str:
@@ -46,11 +35,12 @@ _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?")
 
 
 def normalize_number(text: str) -> str:
-    """'$1,234.50' -> '1234.5'; '' when there is no number."""
+    """'$1,234.50' -> '1234.5', '- 3' -> '-3' (whitespace inside the match, line breaks included,
+    dropped); '' when there is no number."""
     match = _NUMBER.search(text)
     if not match:
         return ""
-    raw = match.group(0).replace("$", "").replace(",", "").replace(" ", "")
+    raw = "".join(match.group(0).replace("$", "").replace(",", "").split())
     if "." in raw:
         raw = raw.rstrip("0").rstrip(".")
     return raw if raw not in ("-", "") else ""
@@ -73,3 +63,15 @@ def extract_answer(completion: str) -> str | None:
     if numbers:
         return normalize_number(numbers[-1]) or None
     return None
+
+
+class GSM8K(Task):
+    """The 1,319 GSM8K test questions; answers are numbers compared after normalisation."""
+
+    name = "gsm8k"
+
+    def load(self) -> list[Problem]:
+        return load_gsm8k()
+
+    def extract(self, problem: Problem, completion: str) -> str | None:
+        return extract_answer(completion)
