@@ -143,6 +143,13 @@ def cmd_gsm8k(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Measure the decode step costs the draft budget prices drafts with, and cache them."""
+    llm = _llm(args)
+    print(llm.engine.step_costs(refresh=True).table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multispec", description="Fast multi-sample generation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible server (streaming, continuous batching)")
     serve_cli.add_arguments(srv)
     srv.set_defaults(func=serve_cli.run)
+
+    cal = sub.add_parser("calibrate", help="measure what a decode step of each shape costs here (the draft "
+                                           "budget's prices, cached per machine and model) and print it")
+    _add_model_args(cal)
+    cal.set_defaults(func=cmd_calibrate)
 
     from multispec import analysis
 

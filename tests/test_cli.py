@@ -45,3 +45,12 @@ def test_missing_device_is_one_line_error():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("multispec: error: device='cuda:99'")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_calibrate_measures_and_caches_the_step_costs(successor_dir, tmp_path):
+    env = dict(os.environ, MULTISPEC_CACHE=str(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "multispec.cli", "calibrate", "--model", str(successor_dir),
+                             "--dtype", "float32"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("step base ms by tokens {1: ")
+    assert len(list((tmp_path / "step-costs").glob("*.json"))) == 1

@@ -36,7 +36,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.costs import StepCosts
+from multispec.engine.costs import Prices, StepCosts
 
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99)
 """Calibration bins of the drafter's confidence: finest near 1, where drafting pays on big batches."""
@@ -100,9 +100,9 @@ def _count(tried: list[float], kept: list[float], i: int, accepted: float, offer
 
 class DraftBudget:
     """How many draft nodes (scored drafts, ``select``) or tokens per sample (sampled drafts,
-    ``choose``) a step carries. ``costs``: the measured step prices (needed when ``max_depth`` > 0)."""
+    ``choose``) a step carries. ``costs``: the step prices (needed when ``max_depth`` > 0)."""
 
-    def __init__(self, max_depth: int, costs: StepCosts | None = None, max_evidence: int = 4,
+    def __init__(self, max_depth: int, costs: Prices | StepCosts | None = None, max_evidence: int = 4,
                  calibration: Calibration | None = None):
         if max_depth and costs is None:
             raise ValueError("a draft budget with max_depth > 0 needs the step costs")

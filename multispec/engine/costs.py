@@ -12,10 +12,10 @@ adds its matrix products; on a GPU the flat part reaches much further. ``extra``
 at all adds to a step (the second attention part, tree verification, cache moves). A running fit
 over the steps a workload happens to run sees few shapes, mostly one, and extrapolates the rest
 with the noise of a shared machine in it; here every term comes from steps of the engine's own
-decode path at chosen shapes, medians of repeats.
+decode path at chosen shapes, the cheapest of three passes over them (see ``measure``).
 
 ``measure`` runs those steps through a scratch engine that shares the model's weights (its own
-small KV cache, synthetic prompts, a drafter that drafts fixed-length chains): about ten seconds
+small KV cache, synthetic prompts, a drafter that drafts fixed-length chains): about 20 seconds
 for the default model on a 2-core CPU. ``load_or_measure`` keeps the result in the cache
 directory, keyed by the machine (CPU or GPU model, threads), the model file, the dtype and the
 versions of torch and multispec, so it is measured once per machine and model.
@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import statistics
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -178,6 +179,50 @@ def _monotone(points: list[tuple[int, float]], floor: float = 1e-6) -> list[tupl
     return out
 
 
+LIVE_WINDOW = 64
+"""Recent steps of each kind (plain, drafting) whose observed/priced ratios ``Prices`` keeps."""
+LIVE_MIN = 8
+"""Steps of each kind needed before the live correction applies."""
+LIVE_BOUNDS = (0.8, 2.0)
+"""The live correction of drafting steps stays within these factors of the measured prices."""
+
+
+class Prices:
+    """The prices the draft budget uses: the measured ``StepCosts``, with drafting steps corrected
+    by what the live steps show.
+
+    The calibration drafts uniform chains of one filler token that is always rejected. Real
+    drafts are trees of uneven depth whose accepted paths are walked and committed, and on this
+    2-core CPU such steps cost 15-20% more than the calibration priced them, relative to plain
+    steps (2 GSM8K questions x 16 samples one at a time, bfloat16). So the engine records each
+    step's observed time over its price, per kind, and the price of a drafting step is scaled by
+    the ratio of the two medians: a correction that needs no fit, that a uniform slowdown of the
+    machine leaves alone (it moves both medians), and that stays where it is while the budget
+    drafts nothing."""
+
+    def __init__(self, costs: StepCosts):
+        self.costs = costs
+        self.plain: deque[float] = deque(maxlen=LIVE_WINDOW)
+        self.drafting: deque[float] = deque(maxlen=LIVE_WINDOW)
+
+    def record(self, seconds: float, tokens: int, batch: int, qmax: int, context: int, drafting: int) -> None:
+        """A decode step the engine ran: its time and its shape."""
+        ratio = seconds / self.costs.seconds(tokens, batch, qmax, context, drafting)
+        (self.drafting if qmax > 1 else self.plain).append(ratio)
+
+    def drafting_factor(self) -> float:
+        """How much dearer drafting steps are than their measured price, relative to plain steps."""
+        if len(self.plain) < LIVE_MIN or len(self.drafting) < LIVE_MIN:
+            return 1.0
+        low, high = LIVE_BOUNDS
+        return min(max(statistics.median(self.drafting) / statistics.median(self.plain), low), high)
+
+    def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
+        """``StepCosts.seconds``, drafting steps scaled by ``drafting_factor``."""
+        spent = self.costs.seconds(tokens, batch, qmax, context, drafting)
+        return spent * self.drafting_factor() if qmax > 1 else spent
+
+
 # ---------------------------------------------------------------------- measuring
 
 class _ChainDrafter:
@@ -307,9 +352,9 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
             "torch": torch.__version__, "multispec": __version__}
 
 
-def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path) -> StepCosts:
-    """The engine's step costs from the cache, or measured now (and cached) when not there. No
-    ``model_key`` (an engine built without one): measured, not cached."""
+def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:
+    """The engine's step costs from the cache, or measured now (and cached) when not there or
+    ``refresh`` is set. No ``model_key`` (an engine built without one): measured, not cached."""
     key = cache_key(engine, model_key) if model_key else None
     path = None
     if key is not None:
@@ -317,7 +362,7 @@ def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path)
         path = cache_dir / "step-costs" / f"{digest}.json"
         try:
             stored = json.loads(path.read_text())
-            if stored.get("key") == key:
+            if stored.get("key") == key and not refresh:
                 return StepCosts(**stored["costs"])
         except (OSError, ValueError, TypeError, KeyError):
             pass

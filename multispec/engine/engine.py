@@ -25,7 +25,7 @@ import torch
 
 from multispec.drafters import DraftTree
 from multispec.engine.attention import DecodeAttention, PrefillAttention
-from multispec.engine.costs import StepCosts, load_or_measure
+from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.request import Request, Sample
@@ -89,6 +89,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}
         self._step_costs: StepCosts | None = None
+        self._prices: Prices | None = None
         self.stats = RunStats()
         """Running totals since the engine was built."""
         self.step_observers: list[Callable[[StepReport], None]] = []
@@ -155,7 +156,7 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request made by ``make_request``. The first with an adaptive draft budget
-        has the step costs measured here (once per machine and model, about ten seconds for the
+        has the step costs measured here (once per machine and model, about 20 seconds for the
         default model on a small CPU), between steps, so that no step's time includes it."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
@@ -231,16 +232,25 @@ class LLMEngine:
     def _lane(self, request: Request) -> Lane:
         lane = self.lanes.get(request.lane)
         if lane is None:
-            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.step_costs)
+            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.prices)
         return lane
 
-    def step_costs(self) -> StepCosts:
+    def step_costs(self, refresh: bool = False) -> StepCosts:
         """What a decode step of each shape costs here (the draft budget's prices): from the cache
-        when this machine and model were measured before, else measured now, once."""
-        if self._step_costs is None:
+        when this machine and model were measured before, else measured now, once. ``refresh``
+        measures again and replaces the cached prices (lanes built before keep the old ones)."""
+        if self._step_costs is None or refresh:
             root = Path(self.config.cache_dir).expanduser() if self.config.cache_dir else default_cache_dir()
-            self._step_costs = load_or_measure(self, self.config.model_key, root)
+            self._step_costs = load_or_measure(self, self.config.model_key, root, refresh)
+            self._prices = None
         return self._step_costs
+
+    def prices(self) -> Prices:
+        """The step costs with the live correction of drafting steps (see ``Prices``), which every
+        decode step updates once they exist."""
+        if self._prices is None:
+            self._prices = Prices(self.step_costs())
+        return self._prices
 
     def _fail(self, request: Request, error: BaseException, changed: dict[str, Request]) -> None:
         """Finish a request whose own bookkeeping raised; the rest of the batch goes on."""
@@ -306,7 +316,7 @@ class LLMEngine:
         self._sync()
         t2 = time.perf_counter()
         lanes = self._lanes_of(slots)
-        asking = [lane.drafter for lane in lanes if lane.drafter.alternatives]
+        asking = [lane.drafter for lane in lanes if lane.wants_alternatives()]
         wanted = (max(d.alternatives for d in asking), min(d.min_alternative for d in asking)) if asking else (0, 0.0)
         results = verify(step, logits, wanted)
         t3 = time.perf_counter()
@@ -315,6 +325,9 @@ class LLMEngine:
         self._sync()
         t4 = time.perf_counter()
         tokens = int(step.token_ids.numel())
+        if self._prices is not None:
+            counts = step.layout.counts
+            self._prices.record(t4 - t0, tokens, len(slots), int(counts.max()), context, int((counts > 1).sum()))
         for lane, members in lanes.items():
             lane.record([trees[b] for b in members], [results[b].path for b in members])
         stats = self.stats

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Callable
 
 from multispec.drafters import DraftTree, make_drafter
-from multispec.engine.budget import Calibration, DraftBudget
-from multispec.engine.costs import StepCosts
+from multispec.engine.budget import IDLE_STEPS, Calibration, DraftBudget
+from multispec.engine.costs import Prices
 from multispec.engine.request import Request, Sample
 from multispec.params import SpecConfig
 from multispec.verify import DraftLaw
@@ -29,9 +29,9 @@ def lane_key(spec: SpecConfig, request_params) -> tuple:
 
 
 class Lane:
-    def __init__(self, spec: SpecConfig, vocab_size: int, step_costs: Callable[[], StepCosts] | None = None):
-        """``step_costs`` gives the engine's measured step prices; asked only by a lane whose
-        budget adapts (it may measure them, once)."""
+    def __init__(self, spec: SpecConfig, vocab_size: int, prices: Callable[[], Prices] | None = None):
+        """``prices`` gives the engine's step prices; asked only by a lane whose budget adapts
+        (the engine may measure them then, once)."""
         self.spec = spec
         self.law: DraftLaw | None = spec.draft_law
         self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
@@ -39,9 +39,9 @@ class Lane:
                                     sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
                                     min_ngram=spec.min_ngram)
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
-        if depth and step_costs is None:
-            raise ValueError("an adaptive draft budget needs the engine's step costs")
-        self.budget = DraftBudget(depth, step_costs() if depth else None, max_evidence=spec.max_ngram,
+        if depth and prices is None:
+            raise ValueError("an adaptive draft budget needs the engine's step prices")
+        self.budget = DraftBudget(depth, prices() if depth else None, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram))
 
     def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:
@@ -67,6 +67,15 @@ class Lane:
                 share = spare // len(samples)
                 budgets = [min(b, share) for b in budgets]
         return budgets
+
+    def wants_alternatives(self) -> bool:
+        """Whether this step should compute the target's likeliest tokens for the drafter: not
+        while the budget has kept no draft for ``IDLE_STEPS`` steps (large batches on a CPU), where
+        ranking the vocabulary for every row costs a few percent of a step and feeds drafts that
+        are left out; the drafter then sees only the sampled tokens until drafting pays again."""
+        if not self.drafter.alternatives:
+            return False
+        return not (self.spec.adaptive and self.budget.max_depth and self.budget.idle >= IDLE_STEPS)
 
     def select(self, trees: list[DraftTree], batch: int, context: int) -> list[DraftTree]:
         """The nodes worth their place in the forward (copied drafts under the adaptive budget);

@@ -167,3 +167,16 @@ def test_calibration_is_shared_and_fades_past_its_cap():
     assert abs(second.calibrated(0.97, 4) - 6 / 7) < 0.02
     second.record_acceptance([0, 5000], [0, 2500])
     assert calibration.tried[1] <= MAX_WEIGHT and abs(calibration.kept[1] / calibration.tried[1] - 0.5) < 0.01
+
+
+def test_an_idle_budget_stops_asking_for_the_targets_likeliest_tokens():
+    from multispec.engine.lane import Lane
+    from multispec.params import SpecConfig
+
+    lane = Lane(SpecConfig(drafter="consensus"), 400, lambda: costs(fixed=0.0, per_token=0.01))
+    assert lane.wants_alternatives()
+    for _ in range(IDLE_STEPS):
+        lane.select([chain([0.995])] * 8, 8, CONTEXT)  # compute-bound: nothing kept
+    assert not lane.wants_alternatives()
+    assert Lane(SpecConfig(drafter="consensus", adaptive=False), 400).wants_alternatives()
+    assert not Lane(SpecConfig(drafter="ngram"), 400, lambda: PRICES).wants_alternatives()

@@ -130,6 +130,7 @@ def test_draft_calibration_outlives_a_call(llm, monkeypatch):
     # Overhead-bound prices (a step of 1 to 64 tokens costs about the same), so that the budget
     # drafts whatever this machine measured and there is acceptance to calibrate.
     monkeypatch.setattr(llm.engine, "_step_costs", StepCosts([1, 64], [0.05, 0.052], 0.0, [1], [0.0]))
+    monkeypatch.setattr(llm.engine, "_prices", None)
     llm.generate("Count: 1, 2, 3, 4, 5,", params, spec, use_tqdm=False)
     (key, lane), = llm.engine.lanes.items()
     seen = sum(map(sum, lane.budget.cal_tried))
