@@ -24,6 +24,8 @@ a CPU, so the n = 64 cell and the temperature 1.0 cell keep to the rows they are
     python benchmarks/bench_spec.py --quick   # a few-minute subset
     python benchmarks/bench_spec.py --cells 0 --append   # rerun one cell into the saved table
     python benchmarks/bench_spec.py --rows consensus-auto --append   # rerun the default's rows (and none)
+    python benchmarks/bench_spec.py --cells 1,4,5 --rows consensus-auto --depth 6 --nodes 6 --runs 3
+                                              # the default SpecConfig against plain, median of 3
     python benchmarks/bench_spec.py --cells 1 --rows consensus,ngram --depth 6 --nodes 12 \\
         --out results/tree.json --plot results/tree.png
                                               # drafts as trees of 12 nodes, 6 deep
@@ -168,6 +170,8 @@ def main() -> None:
     parser.add_argument("--append", action="store_true",
                         help="merge the cells run into those already in --out instead of replacing the file: "
                              "the rows rerun replace their old values, the others stay")
+    parser.add_argument("--runs", type=int, help="run every selected cell's first-run rows this many times (seeds 0, 1, "
+                                                 "...) and report medians, instead of the cell's own schedule")
     parser.add_argument("--rows", help="comma-separated rows to run in each cell (none is always run too)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name, checkpoint directory or .gguf")
     parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -197,6 +201,8 @@ def main() -> None:
             if requested is not None:  # the first run runs every row asked for, further runs keep theirs
                 schedule = [requested] + [[label for label in labels if label in requested] for labels in further]
                 schedule = [labels for labels in schedule if len(labels) > 1]
+            if args.runs:
+                schedule = [schedule[0]] * args.runs
             rows = run_cell(llm, questions, n, temperature, schedule, max_tokens, args.depth, one_at_a_time,
                             args.nodes)
             key = (questions, n, temperature, one_at_a_time)
