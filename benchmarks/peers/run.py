@@ -28,7 +28,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -284,17 +283,9 @@ def table(rows: list[Row], shapes: list[tuple[int, int]], results: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
+    from multispec.engine.costs import machine
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(row.key for row in ROWS),
                         help="comma-separated rows or groups (multispec, vllm, transformers, llamacpp); default: all")
@@ -342,14 +333,14 @@ def main() -> None:
                 else:
                     print(f"{row.key:<20} {q}x{n:<4} FAILED: {result['error']}", file=sys.stderr)
 
-    print(f"\n{cpu_name()}, {os.cpu_count()} cores. Shape Q x n: the first Q GSM8K test questions as chat messages, "
+    print(f"\n{machine()}, {os.cpu_count()} cores. Shape Q x n: the first Q GSM8K test questions as chat messages, "
           f"n samples each, T {TEMPERATURE}, top_p {TOP_P:g}, max_tokens {args.max_tokens}, all in one call after a warm-up "
           f"call; median of {args.runs} timed call(s); one process per row and shape.\n")
     print(table(rows, shapes, results))
     if args.json:
         saved = {"settings": {"shapes": [f"{q}x{n}" for q, n in shapes], "runs": args.runs,
                               "max_tokens": args.max_tokens, "temperature": TEMPERATURE, "top_p": TOP_P,
-                              "cpu": cpu_name(), "cores": os.cpu_count()},
+                              "cpu": machine(), "cores": os.cpu_count()},
                  "results": [{"row": key, "shape": f"{q}x{n}", **value} for (key, (q, n)), value in results.items()]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(saved, indent=1), encoding="utf-8")

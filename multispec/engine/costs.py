@@ -29,13 +29,15 @@ import logging
 import os
 import platform
 import statistics
+from bisect import bisect_right
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+from multispec.engine.attention import split_step
 
 if TYPE_CHECKING:
     from multispec.engine.engine import LLMEngine
@@ -67,8 +69,6 @@ def work(batch: int, qmax: int, context: int, drafting: int | None = None, token
     context. Its rows are every sample's ``qmax`` rows, or, where it splits the step (see
     ``split_step``), the root rows plus the drafting samples' draft rows padded to the deepest
     draft. ``tokens``: the step's token count (default: every drafting sample at full depth)."""
-    from multispec.engine.attention import split_step
-
     if drafting is None:
         drafting = batch if qmax > 1 else 0
     if tokens is None:
@@ -105,7 +105,7 @@ class StepCosts:
         sample has ``qmax`` rows (1: no drafts), ``drafting`` samples of them drafting."""
         spent = self.base_at(tokens) + self.per_work * work(batch, qmax, context, drafting, tokens)
         if qmax > 1:
-            spent += float(np.interp(batch, self.extra_batches, self.extra))
+            spent += _interp(batch, self.extra_batches, self.extra)
         return spent
 
     def base_at(self, tokens: int) -> float:
@@ -113,7 +113,7 @@ class StepCosts:
         row costs its matrix products)."""
         xs, ys = self.base_tokens, self.base
         if tokens <= xs[-1] or len(xs) == 1:
-            return float(np.interp(tokens, xs, ys))
+            return _interp(tokens, xs, ys)
         slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
         return ys[-1] + slope * (tokens - xs[-1])
 
@@ -147,8 +147,7 @@ class StepCosts:
         if extra:
             costs.extra_batches, costs.extra = [b for b, _ in extra], [s for _, s in extra]
         # Past the largest plain step, drafting steps carry the base curve on.
-        beyond = _medians((m.tokens, m.seconds - per_work * m.work - float(np.interp(m.batch, costs.extra_batches,
-                                                                                         costs.extra)))
+        beyond = _medians((m.tokens, m.seconds - per_work * m.work - _interp(m.batch, costs.extra_batches, costs.extra))
                           for m in drafting if m.tokens > costs.base_tokens[-1])
         if beyond:
             points = _monotone(list(zip(costs.base_tokens, costs.base)) + beyond)
@@ -161,6 +160,18 @@ class StepCosts:
         extra = ", ".join(f"{b}: {1e3 * s:.1f}" for b, s in zip(self.extra_batches, self.extra))
         return (f"step base ms by tokens {{{base}}}; drafting extra ms by samples {{{extra}}}; "
                 f"attention {1e3 * self.per_work:.2f} ms per {WORK_UNIT:.0f} query-row keys")
+
+
+def _interp(x: float, xs: list[int], ys: list[float]) -> float:
+    """``numpy.interp`` for one point (held at the ends), without its per-call cost: the budget
+    prices hundreds of candidate steps a step."""
+    i = bisect_right(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 def _medians(pairs) -> list[tuple[int, float]]:
@@ -204,23 +215,25 @@ class Prices:
         self.costs = costs
         self.plain: deque[float] = deque(maxlen=LIVE_WINDOW)
         self.drafting: deque[float] = deque(maxlen=LIVE_WINDOW)
+        self._factor = 1.0  # updated by record, read for every candidate step the budget prices
 
     def record(self, seconds: float, tokens: int, batch: int, qmax: int, context: int, drafting: int) -> None:
         """A decode step the engine ran: its time and its shape."""
         ratio = seconds / self.costs.seconds(tokens, batch, qmax, context, drafting)
         (self.drafting if qmax > 1 else self.plain).append(ratio)
+        if len(self.plain) >= LIVE_MIN and len(self.drafting) >= LIVE_MIN:
+            low, high = LIVE_BOUNDS
+            factor = statistics.median(self.drafting) / statistics.median(self.plain)
+            self._factor = min(max(factor, low), high)
 
     def drafting_factor(self) -> float:
         """How much dearer drafting steps are than their measured price, relative to plain steps."""
-        if len(self.plain) < LIVE_MIN or len(self.drafting) < LIVE_MIN:
-            return 1.0
-        low, high = LIVE_BOUNDS
-        return min(max(statistics.median(self.drafting) / statistics.median(self.plain), low), high)
+        return self._factor
 
     def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
         """``StepCosts.seconds``, drafting steps scaled by ``drafting_factor``."""
         spent = self.costs.seconds(tokens, batch, qmax, context, drafting)
-        return spent * self.drafting_factor() if qmax > 1 else spent
+        return spent * self._factor if qmax > 1 else spent
 
 
 # ---------------------------------------------------------------------- measuring
