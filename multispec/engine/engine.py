@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import secrets
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from numbers import Integral
+from pathlib import Path
 from typing import Callable
 
 import torch
