@@ -16,7 +16,7 @@ from multispec.devices import resolve_device, resolve_dtype
 from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
-from multispec.models import DEFAULT_MODEL, load_checkpoint, resolve_model
+from multispec.models import DEFAULT_MODEL, load_checkpoint, paired_draft_head, resolve_model
 from multispec.models.loading import weights_key
 from multispec.models.llama import LlamaForCausalLM
 from multispec.params import (CompletionOutput, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
@@ -67,7 +67,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model")
         self.spec = spec or SpecConfig()
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
-                                     model_key=weights_key(path), cache_dir=cache_dir)
+                                     model_key=weights_key(path), cache_dir=cache_dir,
+                                     draft_head=paired_draft_head(model), model_name=str(model))
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
         self._ids = itertools.count()

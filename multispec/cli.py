@@ -48,8 +48,16 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
 def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
     parser.add_argument("--drafter", default=drafter, choices=list(DRAFTERS), help="(default: %(default)s)")
     parser.add_argument("--max-draft-tokens", type=int, default=SpecConfig.max_draft_tokens)
-    parser.add_argument("--max-draft-nodes", type=int, default=SpecConfig.max_draft_nodes)
+    parser.add_argument("--max-draft-nodes", type=int, default=None,
+                        help="default: max-draft-tokens x num-candidates")
     parser.add_argument("--scheme", default="auto", choices=SCHEMES)
+    parser.add_argument("--draft-model", default=None,
+                        help="drafter 'model': a draft head file (default: the head paired with the model)")
+    parser.add_argument("--num-candidates", type=int, default=1,
+                        help="drafter 'model': candidates drawn at the root, each extended as a chain")
+    parser.add_argument("--decision-threshold", type=float, default=None,
+                        help="drafter 'model': stop a chain below this predicted acceptance (default: the "
+                             "head's own; 0: full depth)")
     parser.add_argument("--sampled-drafts", action="store_true", help="sample drafts and verify with multi-draft schemes")
     parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
 
@@ -62,7 +70,8 @@ def _sampling(args) -> SamplingParams:
 def _spec(args) -> SpecConfig:
     return SpecConfig(drafter=args.drafter, max_draft_tokens=args.max_draft_tokens,
                       max_draft_nodes=args.max_draft_nodes, scheme=args.scheme, sampled_drafts=args.sampled_drafts,
-                      aggregate=not args.no_aggregate)
+                      aggregate=not args.no_aggregate, draft_model=args.draft_model,
+                      num_candidates=args.num_candidates, decision_threshold=args.decision_threshold)
 
 
 def _llm(args):
@@ -150,6 +159,20 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    """Train a draft head (and its decision model) for the model from its own GSM8K answers."""
+    from multispec.training import TrainConfig, train_draft
+
+    config = TrainConfig(questions=args.questions, samples=args.samples, epochs=args.epochs, seed=args.seed,
+                         num_tokens=args.num_tokens, unroll=args.unroll)
+    for name in ("questions", "samples", "epochs", "num_tokens", "unroll"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    llm = _llm(args)
+    train_draft(llm, Path(args.output), config, log=lambda line: print(line, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multispec", description="Fast multi-sample generation.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
                                            "budget's prices, cached per machine and model) and print it")
     _add_model_args(cal)
     cal.set_defaults(func=cmd_calibrate)
+
+    trn = sub.add_parser("train-draft", help="train a draft head for the model from its own answers to GSM8K "
+                                             "train questions (offline), print its held-out agreement")
+    _add_model_args(trn)
+    from multispec.training import TrainConfig
+
+    defaults = TrainConfig()
+    trn.add_argument("--output", default="draft-head.safetensors", help="where the head goes (default: %(default)s)")
+    trn.add_argument("--questions", type=int, default=defaults.questions)
+    trn.add_argument("--samples", type=int, default=defaults.samples, help="answers per question")
+    trn.add_argument("--epochs", type=int, default=defaults.epochs)
+    trn.add_argument("--num-tokens", type=int, default=defaults.num_tokens, help="the head's vocabulary size")
+    trn.add_argument("--unroll", type=int, default=defaults.unroll, help="training-time draft depth")
+    trn.add_argument("--seed", type=int, default=defaults.seed)
+    trn.set_defaults(func=cmd_train_draft)
 
     from multispec import analysis
 

@@ -112,11 +112,18 @@ class SpecConfig:
     drafts is refused (see ``multispec.verify.schemes``). ``adaptive`` lets each step
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
+
+    ``drafter="model"`` drafts with a draft head over the target's features: ``draft_model`` is
+    the head's file (None: the head the registry pairs with the target), ``num_candidates`` the
+    candidates drawn at the root, each extended as a chain up to ``max_draft_tokens``;
+    ``decision_threshold`` stops a chain where the head's decision model gives its next token less
+    chance of acceptance (None: the head's recommended threshold, 0: always the full depth).
+    ``max_draft_nodes`` defaults to ``max_draft_tokens * num_candidates``.
     """
 
     drafter: str = "none"
     max_draft_tokens: int = 6
-    max_draft_nodes: int = 6
+    max_draft_nodes: int | None = None
     scheme: str = "auto"
     sampled_drafts: bool = False
     aggregate: bool = True
@@ -124,8 +131,14 @@ class SpecConfig:
     min_ngram: int = 1
     max_batch_tokens: int | None = None
     adaptive: bool = True
+    draft_model: str | None = None
+    num_candidates: int = 1
+    decision_threshold: float | None = None
 
     def __post_init__(self):
+        if self.max_draft_nodes is None:
+            self.max_draft_nodes = self.max_draft_tokens * self.num_candidates if (
+                isinstance(self.max_draft_tokens, int) and isinstance(self.num_candidates, int)) else 6
         self.check()
 
     def check(self) -> None:
@@ -143,6 +156,17 @@ class SpecConfig:
         check_int("max_ngram", self.max_ngram, 1)
         check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
         check_int("max_batch_tokens", self.max_batch_tokens, 1, none=True)
+        check_int("num_candidates", self.num_candidates, 1)
+        if self.decision_threshold is not None:
+            check_real("decision_threshold", self.decision_threshold, "must be a number in [0, 1] or None",
+                       lambda t: 0 <= t <= 1)
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise _bad("draft_model", self.draft_model, "must be a path (a string) or None")
+        if self.drafter == "model":
+            check_int("max_draft_tokens", self.max_draft_tokens, 1)
+            check_int("max_draft_nodes", self.max_draft_nodes, 1)
+        elif self.draft_model is not None:
+            raise _bad("draft_model", self.draft_model, f"is used only by drafter='model' (drafter={self.drafter!r})")
         check_drafts(self.scheme, self.draft_law, drafter=self.drafter)
 
     @property
@@ -155,7 +179,7 @@ class SpecConfig:
         from multispec.drafters import draft_law
 
         law = draft_law(self.drafter, sampled=self.sampled_drafts, max_depth=max(1, self.max_draft_tokens),
-                        max_nodes=self.max_draft_nodes)
+                        max_nodes=self.max_draft_nodes, num_candidates=self.num_candidates, scheme=self.scheme)
         return law if self.speculates else None
 
     def check_temperature(self, temperature: float) -> None:
@@ -261,6 +285,10 @@ class RunStats(_SpeculationFigures):
     time_verify: float = 0.0
     time_commit: float = 0.0
     time_total: float = 0.0
+    time_draft_model: float = 0.0
+    """Part of ``time_draft`` spent in a draft model's forwards (``drafter="model"``)."""
+    draft_forwards: int = 0
+    """Forwards of a draft model (one per draft depth of a step)."""
 
     def since(self, earlier: RunStats) -> RunStats:
         """What was counted after ``earlier`` (a copy of these totals taken before)."""
@@ -278,4 +306,6 @@ class RunStats(_SpeculationFigures):
                 f"forwards {self.decode_forwards} (+{self.prefill_forwards} prefill); tau {self.tau:.2f}; "
                 f"acceptance {self.acceptance_rate:.1%} of {self.drafted_tokens} drafted; time draft "
                 f"{self.time_draft:.2f}s / forward {self.time_forward:.2f}s / verify {self.time_verify:.2f}s / "
-                f"commit {self.time_commit:.2f}s / prefill {self.time_prefill:.2f}s")
+                f"commit {self.time_commit:.2f}s / prefill {self.time_prefill:.2f}s"
+                + (f"; draft model {self.time_draft_model:.2f}s in {self.draft_forwards} forwards "
+                   f"({self.draft_forwards / max(1, self.decode_forwards):.1f} a step)" if self.draft_forwards else ""))

@@ -70,3 +70,26 @@ def cycle_start(successor: list[int]) -> int:
         if len(set(chain(successor, token, CYCLE + 1))) == CYCLE:
             return token
     return start
+
+
+def write_copy_head(path: Path, llm, vocab_ids: list[int] | None = None, seed: int = 0) -> list[int]:
+    """A draft head for a tiny model whose decoder layer passes its input through and whose input
+    is the drafted token's embedding: its q after token a is the output head applied to a's
+    embedding, close to the successor model's own law after a (the model's layers only mix in some
+    context), so drafts are often but not always accepted. ``vocab_ids``: the tokens it may draft
+    (default all). Returns them."""
+    from multispec.models.draft_head import DraftHead, HeadConfig
+
+    config = llm.model.config
+    ids = list(range(config.vocab_size)) if vocab_ids is None else list(vocab_ids)
+    torch.manual_seed(seed)
+    head = DraftHead(HeadConfig.for_target(config, len(ids), intermediate_size=32, name="tiny"))
+    hidden = config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+        head.vocab_ids.copy_(torch.tensor(ids))
+    head.save(path)
+    return ids

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from multispec.drafters.base import Drafter, DraftTree, NoDrafter
 from multispec.drafters.consensus import ConsensusDrafter
+from multispec.drafters.model import ModelDrafter
 from multispec.drafters.ngram import NgramDrafter
 from multispec.verify.schemes import DraftLaw
 
-__all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "NgramDrafter", "NoDrafter", "draft_law",
-           "make_drafter"]
+__all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
+           "draft_law", "make_drafter"]
 
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,  # plain decoding through the same step
     "consensus": ConsensusDrafter,  # the sibling samples draft for each other
     "ngram": NgramDrafter,  # prompt lookup over the sample's own text
+    "model": ModelDrafter,  # a draft head over the target's features proposes candidate trees
 }
 
 
@@ -30,11 +32,13 @@ def _registered(kind: str) -> type:
 def make_drafter(kind: str, **options) -> Drafter:
     """A drafter by registered name. Options: ``vocab_size``, ``max_depth``, ``max_nodes``, and as the
     drafter uses them ``sampled``, ``aggregate``, ``max_ngram``, ``min_ngram``, ``num_drafts``,
-    ``alternatives`` (see each class)."""
+    ``alternatives``, ``head``, ``num_candidates``, ``temperature``, ``scheme``, ``decision_threshold``
+    (see each class)."""
     return _registered(kind).create(**options)
 
 
-def draft_law(kind: str, *, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw | None:
+def draft_law(kind: str, *, sampled: bool, max_depth: int, max_nodes: int, **options) -> DraftLaw | None:
     """How drafter ``kind`` draws its trees with these settings (None: it never drafts); raises
-    ValueError for settings the drafter cannot honour."""
-    return _registered(kind).draft_law(sampled=sampled, max_depth=max_depth, max_nodes=max_nodes)
+    ValueError for settings the drafter cannot honour. ``options`` (``num_candidates``,
+    ``scheme``) reach the drafters that use them."""
+    return _registered(kind).draft_law(sampled=sampled, max_depth=max_depth, max_nodes=max_nodes, **options)

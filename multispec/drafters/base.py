@@ -112,7 +112,7 @@ class NoDrafter:
         return cls()
 
     @staticmethod
-    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw | None:
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, **_) -> DraftLaw | None:
         return None
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:

@@ -52,7 +52,7 @@ class ConsensusDrafter(SuffixDrafter):
                    aggregate=aggregate, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=num_drafts, **extra)
 
     @staticmethod
-    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, num_drafts: int | None = None) -> DraftLaw:
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, num_drafts: int | None = None, **_) -> DraftLaw:
         """Copied trees of up to ``max_nodes`` children a node; sampled: root children i.i.d. with
         replacement from one distribution (``num_drafts`` of them, default ``max_nodes //
         max_depth``), each extended as a chain."""

@@ -103,10 +103,12 @@ class DraftBudget:
     ``choose``) a step carries. ``costs``: the step prices (needed when ``max_depth`` > 0)."""
 
     def __init__(self, max_depth: int, costs: Prices | StepCosts | None = None, max_evidence: int = 4,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, width: int = 1):
         if max_depth and costs is None:
             raise ValueError("a draft budget with max_depth > 0 needs the step costs")
         self.max_depth = max_depth
+        self.width = width
+        """Sampled drafts: chains per sample (a draft of length L is ``width * L`` nodes)."""
         self.costs = costs
         self.idle = 0
         """Steps in a row whose drafts were all left out (or not asked for)."""
@@ -205,7 +207,8 @@ class DraftBudget:
         best, best_rate = 0, MARGIN * total / seconds(total, total, 1, context)
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
-            rate = gained / seconds(total + batch * length, total, 1 + length, context, batch)
+            nodes = self.width * length
+            rate = gained / seconds(total + batch * nodes, total, 1 + nodes, context, batch)
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
         return best

@@ -32,6 +32,7 @@ from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import Step, Verified, commit, most_likely, pack, position_keys, sampling_rows, verify
 from multispec.engine.sampler import target_probs
+from multispec.models.draft_head import DraftHead
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import default_cache_dir
 from multispec.models.tokenizer import Tokenizer
@@ -51,6 +52,10 @@ class EngineConfig:
     cached per machine and model (see ``multispec.engine.costs``); None: measured, not cached."""
     cache_dir: str | None = None
     """Where the step costs are cached (default: ``multispec.models.loading.default_cache_dir``)."""
+    draft_head: Path | None = None
+    """The draft head paired with the model (``drafter="model"`` without ``draft_model``)."""
+    model_name: str = "the target"
+    """How error messages name the model."""
 
 
 @dataclass
@@ -97,6 +102,7 @@ class LLMEngine:
         """Who steps the engine from another thread (an ``AsyncLLM``), if anyone."""
         self._changed: dict[str, Request] = {}
         self._next_sample_id = 0
+        self._heads: dict[Path, DraftHead] = {}
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -135,6 +141,8 @@ class LLMEngine:
         spec = spec or self.default_spec
         spec.check()
         spec.check_temperature(params.temperature)
+        if spec.speculates and spec.drafter == "model":
+            self.draft_head(spec.draft_model)
         eos = frozenset(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(ids))
@@ -232,8 +240,31 @@ class LLMEngine:
     def _lane(self, request: Request) -> Lane:
         lane = self.lanes.get(request.lane)
         if lane is None:
-            lane = self.lanes[request.lane] = Lane(request.spec, self.vocab_size, self.prices)
+            spec = request.spec
+            head = self.draft_head(spec.draft_model) if spec.speculates and spec.drafter == "model" else None
+            lane = self.lanes[request.lane] = Lane(spec, self.vocab_size, self.prices,
+                                                   temperature=request.params.temperature, head=head)
         return lane
+
+    def draft_head(self, path: str | None = None) -> DraftHead:
+        """The draft head at ``path`` (None: the one paired with the model), loaded once, in the
+        model's dtype and on its device, sharing its embedding and output rows; a ValueError
+        says why a head cannot serve this model."""
+        if path is None:
+            if self.config.draft_head is None:
+                raise ValueError(f"drafter='model': no draft head is paired with {self.config.model_name}; give "
+                                 f"SpecConfig(draft_model=<head.safetensors>) (train one with multispec train-draft)")
+            path = self.config.draft_head
+        key = Path(path).expanduser().resolve()
+        head = self._heads.get(key)
+        if head is None:
+            head = DraftHead.load(key, self.dtype, self.device)
+            try:
+                head.attach(self.model)
+            except ValueError as error:
+                raise ValueError(f"draft_model={str(path)!r} does not fit {self.config.model_name}: {error}") from None
+            self._heads[key] = head
+        return head
 
     def step_costs(self, refresh: bool = False) -> StepCosts:
         """What a decode step of each shape costs here (the draft budget's prices): from the cache
@@ -268,7 +299,8 @@ class LLMEngine:
         positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
         last_rows = torch.tensor(_cumsum([r.prompt_len for r in requests]), device=self.device) - 1
         attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
-        logits = self.model(token_ids, positions, attention, logit_rows=last_rows)
+        hidden = self.model.hidden_states(token_ids, positions, attention)[last_rows]
+        logits = self.model.logits(hidden)
         probs = target_probs(logits, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
         now = time.monotonic()
@@ -298,6 +330,9 @@ class LLMEngine:
                     sample.append([token], [float(logprobs[row, token])], logprobs[row:row + 1])
                     lane.drafter.observe(sample.sample_id, sample.output_ids, [token_probs[k]],
                                          None if tops is None else [tops[k]])
+                if getattr(lane.drafter, "wants_features", False):
+                    live = [s.sample_id for s in request.samples if not s.finished]
+                    lane.drafter.observe_features(live, hidden[row].expand(len(live), -1))
                 self.stats.generated_tokens += n
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
@@ -312,7 +347,8 @@ class LLMEngine:
         trees = self._draft(slots, context, changed)
         t1 = time.perf_counter()
         step = pack(slots, trees, self.device)
-        logits = self.model(step.token_ids, step.positions, DecodeAttention(self.cache, step.layout))
+        hidden = self.model.hidden_states(step.token_ids, step.positions, DecodeAttention(self.cache, step.layout))
+        logits = self.model.logits(hidden)
         self._sync()
         t2 = time.perf_counter()
         lanes = self._lanes_of(slots)
@@ -322,6 +358,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         kept = commit(step, logits, results, self.cache)
         self._observe(step, results, kept, changed)
+        self._features(step, results, hidden, lanes, changed)
         self._sync()
         t4 = time.perf_counter()
         tokens = int(step.token_ids.numel())
@@ -369,6 +406,8 @@ class LLMEngine:
             by_request: dict[Request, list[int]] = {}
             for k, sample in enumerate(samples):
                 by_request.setdefault(sample.request, []).append(k)
+            model_time = getattr(lane.drafter, "model_time", None)
+            model_forwards = getattr(lane.drafter, "model_forwards", 0)
             for request, ks in by_request.items():
                 try:
                     got = lane.drafter.propose([samples[k].sample_id for k in ks], [budgets[k] for k in ks],
@@ -378,6 +417,9 @@ class LLMEngine:
                     continue
                 for k, tree in zip(ks, got):
                     proposed[k] = tree
+            if model_time is not None:
+                self.stats.time_draft_model += lane.drafter.model_time - model_time
+                self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
             for b, tree in zip(members, lane.select(proposed, len(slots), context)):
                 trees[b] = tree
         return trees
@@ -406,6 +448,24 @@ class LLMEngine:
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
 
+    def _features(self, step: Step, results: list[Verified], hidden: torch.Tensor, lanes: dict[Lane, list[int]],
+                  changed: dict[str, Request]) -> None:
+        """Give drafters that draft from the target's features (a draft head) each sample's final
+        hidden state at its last accepted position: the row its bonus token was drawn from."""
+        for lane, members in lanes.items():
+            if not getattr(lane.drafter, "wants_features", False):
+                continue
+            live = [b for b in members if not step.samples[b].finished and step.samples[b].request.error is None]
+            if not live:
+                continue
+            rows = [step.row_offsets[b] + (1 + results[b].path[-1] if results[b].path else 0) for b in live]
+            try:
+                lane.drafter.observe_features([step.samples[b].sample_id for b in live],
+                                              hidden[torch.tensor(rows, device=hidden.device)])
+            except Exception as error:  # noqa: BLE001 - the lane's requests fail, the others go on
+                for request in {step.samples[b].request for b in live}:
+                    self._fail(request, error, changed)
+
     def _retire(self) -> None:
         for sample in self.scheduler.retire():
             self.stats.finished_samples += 1
@@ -416,19 +476,33 @@ class LLMEngine:
     # ------------------------------------------------------------------ teacher forcing
     def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence, in one prefill forward through a scratch cache."""
-        if not token_ids:
-            raise ValueError("token_ids is empty")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.config.max_model_len}")
-        if not all(0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        cache = KVCache(self.model.config, len(token_ids), self.dtype, self.device)
-        cache.layout(CacheShape(0, 0, 1, len(token_ids)))
-        slot = cache.take_prompt_slot()  # prefill reads only what it writes: nothing to zero
+        return self.model.logits(self.sequence_states(token_ids))
+
+    def sequence_states(self, token_ids: list[int]) -> torch.Tensor:
+        """The final (normed) hidden state at every position of one sequence (the features a
+        draft head reads), in one prefill forward through a scratch cache."""
+        return self.batch_states([token_ids])[0]
+
+    def batch_states(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """``sequence_states`` of several sequences in one prefill forward (each attends only to
+        itself), one ``[length, hidden]`` tensor each."""
+        lengths = [len(ids) for ids in sequences]
+        for ids in sequences:
+            if not ids:
+                raise ValueError("token_ids is empty")
+            if len(ids) > self.config.max_model_len:
+                raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.config.max_model_len}")
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        longest = max(lengths)
+        cache = KVCache(self.model.config, len(sequences) * longest, self.dtype, self.device)
+        cache.layout(CacheShape(0, 0, len(sequences), longest))
+        slots = [cache.take_prompt_slot() for _ in sequences]  # prefill reads only what it writes
         with torch.inference_mode():
-            ids = torch.tensor(token_ids, device=self.device)
-            return self.model(ids, torch.arange(len(token_ids), device=self.device),
-                              PrefillAttention(cache, [(slot, len(token_ids))]))
+            ids = torch.tensor([t for seq in sequences for t in seq], device=self.device)
+            positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+            hidden = self.model.hidden_states(ids, positions, PrefillAttention(cache, list(zip(slots, lengths))))
+        return list(hidden.split(lengths))
 
 
 def _cumsum(values: list[int]) -> list[int]:

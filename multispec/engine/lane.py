@@ -24,25 +24,32 @@ def lane_key(spec: SpecConfig, request_params) -> tuple:
     """Requests with equal keys share a lane."""
     sp = request_params
     return (spec.drafter, spec.max_draft_tokens, spec.max_draft_nodes, spec.scheme, spec.sampled_drafts,
-            spec.aggregate, spec.max_ngram, spec.min_ngram, spec.max_batch_tokens, spec.adaptive,
-            round(sp.temperature, 2), sp.top_k, round(sp.top_p, 2))
+            spec.aggregate, spec.max_ngram, spec.min_ngram, spec.max_batch_tokens, spec.adaptive, spec.draft_model,
+            spec.num_candidates, spec.decision_threshold, round(sp.temperature, 2), sp.top_k, round(sp.top_p, 2))
 
 
 class Lane:
-    def __init__(self, spec: SpecConfig, vocab_size: int, prices: Callable[[], Prices] | None = None):
+    def __init__(self, spec: SpecConfig, vocab_size: int, prices: Callable[[], Prices] | None = None, *,
+                 temperature: float = 1.0, head=None):
         """``prices`` gives the engine's step prices; asked only by a lane whose budget adapts
-        (the engine may measure them then, once)."""
+        (the engine may measure them then, once). ``temperature``: the lane's sampling temperature
+        (a draft model drafts at it); ``head``: the draft head of a ``drafter="model"`` lane."""
         self.spec = spec
         self.law: DraftLaw | None = spec.draft_law
         self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
                                     max_depth=spec.max_draft_tokens, max_nodes=spec.max_draft_nodes,
                                     sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
-                                    min_ngram=spec.min_ngram)
+                                    min_ngram=spec.min_ngram, head=head, num_candidates=spec.num_candidates,
+                                    temperature=temperature, scheme=spec.scheme,
+                                    decision_threshold=spec.decision_threshold)
+        self.sampled = bool(self.drafter.sampled)
+        """Drafts drawn from a q: never pruned by what was drawn, the budget picks their length."""
+        self.width = spec.num_candidates if spec.drafter == "model" else 1
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
         if depth and prices is None:
             raise ValueError("an adaptive draft budget needs the engine's step prices")
         self.budget = DraftBudget(depth, prices() if depth else None, max_evidence=spec.max_ngram,
-                                  calibration=Calibration.prior(depth, spec.max_ngram))
+                                  calibration=Calibration.prior(depth, spec.max_ngram), width=self.width)
 
     def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:
         """Draft nodes each sample may get this step (all 0: no drafts). ``batch``: samples in the
@@ -53,11 +60,11 @@ class Lane:
             return none
         nodes = spec.max_draft_nodes
         extra = batch - len(samples)
-        if spec.adaptive and spec.sampled_drafts:
+        if spec.adaptive and self.sampled:
             length = self.budget.choose(len(samples), context, extra)
             if length == 0:
                 return none
-            nodes = min(nodes, length) if length < spec.max_draft_tokens else nodes
+            nodes = min(nodes, length * self.width) if length < spec.max_draft_tokens else nodes
         elif spec.adaptive and not self.budget.wants_drafts():
             return none
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
@@ -80,7 +87,7 @@ class Lane:
     def select(self, trees: list[DraftTree], batch: int, context: int) -> list[DraftTree]:
         """The nodes worth their place in the forward (copied drafts under the adaptive budget);
         sampled drafts must reach the verifier exactly as drawn."""
-        if self.spec.adaptive and not self.spec.sampled_drafts and self.spec.speculates:
+        if self.spec.adaptive and not self.sampled and self.spec.speculates:
             return self.budget.select(trees, context, batch - len(trees))
         return trees
 
@@ -88,7 +95,7 @@ class Lane:
         """What verification accepted, for the budget's calibration."""
         if not self.budget.max_depth:
             return
-        if self.spec.sampled_drafts:
+        if self.sampled:
             self.budget.record_acceptance(*_acceptance_by_depth(trees, paths, self.budget.max_depth))
         else:
             self.budget.record_nodes(trees, paths)

@@ -31,6 +31,27 @@ _REGISTRY: dict[str, Callable[[], Path]] = {
 }
 
 
+_HEADS_DIR = Path(__file__).parent / "heads"
+_DRAFT_HEADS: dict[str, Path] = {
+    DEFAULT_MODEL: _HEADS_DIR / f"{DEFAULT_MODEL}.safetensors",
+}
+"""Draft heads shipped inside the package, by the name of the target they were trained for."""
+
+
+def paired_draft_head(name_or_path: str | Path) -> Path | None:
+    """The shipped draft head of a named model (also when given the model's file), else None."""
+    head = _DRAFT_HEADS.get(str(name_or_path))
+    if head is None:
+        given = Path(name_or_path).expanduser()
+        for name, locate in _REGISTRY.items():
+            try:
+                if given.exists() and locate().resolve() == given.resolve():
+                    head = _DRAFT_HEADS.get(name)
+            except ValueError:
+                continue
+    return head if head is not None and head.is_file() else None
+
+
 def known_models() -> list[str]:
     return sorted(_REGISTRY)
 

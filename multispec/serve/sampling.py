@@ -158,6 +158,12 @@ def speculation(default: SpecConfig, overrides: dict | None) -> SpecConfig:
     if unknown:
         raise invalid("speculation", f"speculation: unknown field(s) {', '.join(unknown)}; the fields are "
                                      f"{', '.join(sorted(SPEC_FIELDS))}")
+    if "draft_model" in overrides:
+        # A path on the server's disk is the server's business, not a client's.
+        raise invalid("speculation", "speculation.draft_model is chosen when the server starts (--draft-model), "
+                                     "not per request")
+    if "max_draft_nodes" not in overrides and {"max_draft_tokens", "num_candidates"} & set(overrides):
+        overrides = {**overrides, "max_draft_nodes": None}  # resolved again from the new depth and width
     try:
         return replace(default, **overrides)
     except ValueError as error:

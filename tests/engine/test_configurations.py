@@ -6,7 +6,9 @@ samples takes a fraction of a second, in three draft shapes: a chain (one child 
 (three children of the root) and a tree. Allowed configurations whose scheme ignores the drafts'
 distribution must return the seeded plain samples token for token; those that use it must give
 the first three tokens their exact law (chi-square, power asserted). Refused ones must raise a
-ValueError before the engine runs.
+ValueError before the engine runs. The draft model drafts with a copy head
+(``tests.tiny_models.write_copy_head``); its fork and tree are its candidates (three at the root,
+or two chains two deep), and it always samples, so only ``sampled_drafts=False`` is walked for it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS
 from multispec.verify.schemes import NAMES, resolve
 from tests.helpers import exact_cells
-from tests.tiny_models import chain, cycle_start, write_successor_model
+from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
 TEMPERATURE = 1.0
 LENGTH = 3
@@ -35,16 +37,25 @@ def successor(tmp_path_factory):
     directory = tmp_path_factory.mktemp("successor")
     successor = write_successor_model(directory)
     llm = LLM(str(directory), device="cpu", dtype="float32")
+    write_copy_head(directory / "head.safetensors", llm)
+    HEAD["path"] = str(directory / "head.safetensors")
     prompt = chain(successor, cycle_start(successor), 24)
     cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004)
     return llm, prompt, cells
 
 
+HEAD = {"path": "head.safetensors"}
+"""The model drafter's copy head (written by the fixture; SpecConfig alone does not read it)."""
+
+
 def configure(drafter: str, sampled: bool, scheme: str, shape: str) -> SpecConfig | ValueError:
     depth, nodes = SHAPES[shape]
+    model = {}
+    if drafter == "model":
+        model = {"draft_model": HEAD["path"], "num_candidates": nodes // depth}
     try:
         return SpecConfig(drafter=drafter, sampled_drafts=sampled, scheme=scheme, max_draft_tokens=depth,
-                          max_draft_nodes=nodes, adaptive=False)
+                          max_draft_nodes=nodes, adaptive=False, **model)
     except ValueError as error:
         return error
 
@@ -84,7 +95,8 @@ def assert_first_tokens_follow_the_law(llm, prompt, cells, spec):
     assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
 
 
-COMBINATIONS = [(d, s, scheme) for d in DRAFTERS for s in (False, True) for scheme in NAMES]
+COMBINATIONS = [(d, s, scheme) for d in DRAFTERS for s in (False, True) for scheme in NAMES
+                if not (d == "model" and s)]
 
 
 @pytest.mark.parametrize("drafter,sampled,scheme", COMBINATIONS,
@@ -139,7 +151,8 @@ def test_the_walk_refuses_exactly_the_inexact_pairings():
             copied = drafter in ("consensus", "ngram") and not sampled
             wide = SHAPES[shape][1] // SHAPES[shape][0] > 1
             if (scheme == "greedy" or (drafter == "ngram" and sampled) or (copied and scheme in q_rules)
-                    or (drafter == "consensus" and sampled and wide and scheme in ("single", "without_replacement"))):
+                    or (drafter == "consensus" and sampled and wide and scheme in ("single", "without_replacement"))
+                    or (drafter == "model" and wide and scheme == "single")):
                 want.add((drafter, sampled, scheme, shape))
     assert refused == want
 

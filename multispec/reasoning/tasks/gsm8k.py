@@ -1,4 +1,4 @@
-"""GSM8K: the vendored test split, its prompt and the numeric answer extraction."""
+"""GSM8K: the vendored test and train splits, its prompt and the numeric answer extraction."""
 
 from __future__ import annotations
 
@@ -11,18 +11,23 @@ INSTRUCTION = ("Solve the problem step by step. End with the final answer as a n
                "in the form '#### <number>'.")
 
 
-def load_gsm8k(limit: int | None = None, offset: int = 0) -> list[Problem]:
-    """The test problems in file order (offset/limit select a slice; a slice that would be empty
-    is a ValueError naming the option). Each asks the question, then ``INSTRUCTION``; its
-    reference is the number after the solution's '####'."""
-    with resources.as_file(resources.files("multispec.reasoning").joinpath("data/gsm8k_test.jsonl")) as path:
+def load_gsm8k(limit: int | None = None, offset: int = 0, split: str = "test") -> list[Problem]:
+    """The problems of ``split`` ("test", or "train": what the draft head is trained on) in file
+    order (offset/limit select a slice; a slice that would be empty is a ValueError naming the
+    option). Each asks the question, then ``INSTRUCTION``; its reference is the number after the
+    solution's '####'."""
+    if split not in ("test", "train"):
+        raise ValueError(f"split={split!r}: must be 'test' or 'train'")
+    with resources.as_file(resources.files("multispec.reasoning").joinpath(f"data/gsm8k_{split}.jsonl")) as path:
         rows = read_jsonl(path, [("question",), ("answer",)])
     if not 0 <= offset < len(rows):
-        raise ValueError(f"offset={offset}: the GSM8K test set has {len(rows)} questions, numbered 0 to {len(rows) - 1}")
+        raise ValueError(f"offset={offset}: the GSM8K {split} set has {len(rows)} questions, numbered 0 to "
+                         f"{len(rows) - 1}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit}: must be >= 1 (or None for all)")
     end = None if limit is None else offset + limit
-    return [Problem(f"gsm8k/{i}", r["question"], reference_answer(r["answer"]),
+    prefix = "gsm8k" if split == "test" else "gsm8k-train"
+    return [Problem(f"{prefix}/{i}", r["question"], reference_answer(r["answer"]),
                     user_turn(f"{r['question']}\n{INSTRUCTION}"))
             for i, r in enumerate(rows[offset:end], offset)]
 

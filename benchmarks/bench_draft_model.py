@@ -1,0 +1,131 @@
+"""Draft-model speculation on GSM8K: the shipped draft head against plain decoding and consensus.
+
+Default model, GSM8K test questions in the chat template, max_tokens 256, bf16 where the machine
+has it. Cells: one request of 4 samples in flight at a time, one of 16 at a time, and 4 x 16
+batched, at temperature 0.7 and 1.0. Rows:
+
+- none: plain decoding through the same engine (the speedup's baseline, same run, interleaved);
+- consensus: the default SpecConfig(drafter="consensus") (sibling drafts, adaptive budget);
+- model-w1, model-w2, model-w4: the draft head with 1, 2 or 4 candidates at the root, each a chain
+  of up to ``--depth`` tokens, every step at full depth (decision model off, ``adaptive=False``):
+  what the head itself achieves;
+- model-w2-decision: as model-w2 with the head's decision model stopping chains (the ablation of
+  the decision model against fixed depth);
+- model-auto: SpecConfig(drafter="model", num_candidates=2): decision model and the adaptive draft
+  budget, the setting a user gets by asking for the draft model.
+
+Columns: tau (tokens per sample per forward), acceptance, tokens/s, speedup over none in the same
+run (median over ``--runs`` runs), the share of a step spent drafting and in the head's forwards.
+
+    python benchmarks/bench_draft_model.py                        # all cells, 2 questions each
+    python benchmarks/bench_draft_model.py --cells 0 --runs 3     # one request of 4 at a time, median of 3
+    python benchmarks/bench_draft_model.py --rows model-w2,model-auto --temperatures 0.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_spec import chat_stats  # noqa: E402 - the one-at-a-time loop is shared with bench_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+CELLS = [  # (questions, n, one request at a time)
+    (2, 4, True),
+    (2, 16, True),
+    (4, 16, False),
+]
+ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto")
+
+
+def configs(depth: int):
+    from multispec import SpecConfig
+
+    fixed = dict(drafter="model", max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
+    return {"none": SpecConfig(),
+            "consensus": SpecConfig(drafter="consensus"),
+            "model-w1": SpecConfig(num_candidates=1, **fixed),
+            "model-w2": SpecConfig(num_candidates=2, **fixed),
+            "model-w4": SpecConfig(num_candidates=4, **fixed),
+            "model-w2-decision": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2, adaptive=False),
+            "model-auto": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2)}
+
+
+def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: bool, rows, runs: int, depth: int,
+             max_tokens: int) -> dict:
+    from multispec import SamplingParams
+    from multispec.reasoning import load_gsm8k
+
+    conversations = [p.chat() for p in load_gsm8k(limit=questions)]
+    specs = configs(depth)
+    results: dict[str, list[dict]] = {}
+    for run in range(runs):
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
+        for label in rows:
+            s = chat_stats(llm, conversations, params, specs[label], one_at_a_time)
+            step = s.time_draft + s.time_forward + s.time_verify + s.time_commit
+            results.setdefault(label, []).append({
+                "tok_s": s.tokens_per_second, "tau": s.tau, "acceptance": s.acceptance_rate,
+                "draft_share": s.time_draft / step if step else 0.0,
+                "draft_model_share": s.time_draft_model / step if step else 0.0,
+                "draft_forwards_per_step": s.draft_forwards / max(1, s.decode_forwards)})
+            where = f"{questions} x {n}{' one at a time' if one_at_a_time else ''} T {temperature} run {run}"
+            print(f"  {where} {label:<18} {s.tokens_per_second:7.1f} tok/s tau {s.tau:.2f}", file=sys.stderr)
+    summary = {}
+    for label, measured in results.items():
+        summary[label] = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
+        speedups = [m["tok_s"] / base["tok_s"] for m, base in zip(measured, results["none"])]
+        summary[label].update(speedup=statistics.median(speedups), speedups=speedups, runs=len(measured))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", help="comma-separated cell indexes (default: all)")
+    parser.add_argument("--rows", help=f"comma-separated rows (none always runs); rows: {', '.join(ROWS)}")
+    parser.add_argument("--temperatures", default="0.7,1.0")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--depth", type=int, default=5, help="draft depth of the model rows")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", default=str(ROOT / "results" / "bench_draft_model.json"))
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    rows = list(ROWS) if args.rows is None else ["none"] + [r for r in args.rows.split(",") if r != "none"]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
+    cells = CELLS if args.cells is None else [CELLS[int(i)] for i in args.cells.split(",")]
+    from multispec import LLM
+
+    llm = LLM(args.model, dtype=args.dtype)
+    print(f"model {args.model} on {llm.device}, {llm.dtype}", file=sys.stderr)
+    if any(r == "consensus" or r == "model-auto" for r in rows):
+        llm.engine.step_costs()  # the adaptive budget's prices, measured before any timing
+    table = []
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for questions, n, one_at_a_time in cells:
+            summary = run_cell(llm, questions, n, temperature, one_at_a_time, rows, args.runs, args.depth,
+                               args.max_tokens)
+            table.append({"questions": questions, "n": n, "one_at_a_time": one_at_a_time,
+                          "temperature": temperature, "rows": summary})
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(table, indent=1))
+    print(f"\n{llm.dtype}, max_tokens {args.max_tokens}, model rows {args.depth} deep; speedup: tokens/s over "
+          f"none in the same run, median of {args.runs}\n")
+    print("| cell | T | row | tau | acceptance | tok/s | speedup | draft share | head share | head forwards/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for cell in table:
+        name = f"{cell['questions']} x {cell['n']}" + (", one at a time" if cell["one_at_a_time"] else "")
+        for label, r in cell["rows"].items():
+            print(f"| {name} | {cell['temperature']} | {label} | {r['tau']:.2f} | {r['acceptance']:.1%} | "
+                  f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.1%} | {r['draft_model_share']:.1%} | "
+                  f"{r['draft_forwards_per_step']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Draft-model drafting: a feature-level draft head proposes several candidates per sample.
+
+Each step, for every sample: the head reads the target's hidden state at the last verified
+position and the token the target sampled there (the root of the tree, always the target's own
+token), and gives the next token's distribution q. ``num_candidates`` children are drawn from q
+without replacement (or i.i.d. for the schemes that need that), each then extended as a chain, one
+token a depth, the head fed its own predicted state. With a decision model, a chain stops where
+the predicted chance that its next token is accepted falls below the threshold; the tree is at
+most ``max_depth`` deep and ``max_nodes`` large. Every node carries the q it was drawn from, and
+the tree is verified with the exact multi-draft schemes (recursive rejection without replacement
+by default).
+
+At temperature 0 the candidates are the top ones of q and the chains follow its argmax; greedy
+verification checks them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from multispec.drafters.base import DraftTree
+from multispec.models.draft_head import DraftHead, PathAttention, decision_stats
+from multispec.verify.schemes import IID, WITHOUT_REPLACEMENT, DraftLaw
+
+IID_SCHEMES = frozenset({"specinfer", "spectr", "canonical_lp", "canonical_wis"})
+"""Schemes exact only for siblings drawn i.i.d. (SpecInfer also takes independent draws): with
+one of them the drafter draws its candidates with replacement."""
+
+
+def candidates_with_replacement(scheme: str) -> bool:
+    return scheme in IID_SCHEMES
+
+
+class ModelDrafter:
+    """Drafts with a ``DraftHead`` over the target's features (see the module docstring)."""
+
+    alternatives = 0
+    min_alternative = 0.0
+    sampled = True
+    wants_features = True
+
+    def __init__(self, *, head: DraftHead, max_depth: int, max_nodes: int, num_candidates: int = 1,
+                 temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0):
+        self.head = head
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
+        self.width = num_candidates
+        self.temperature = temperature
+        self.replacement = replacement
+        self.threshold = threshold
+        self.vocab_size = head.config.target_vocab_size
+        self.features: dict[int, torch.Tensor] = {}
+        self.last_token: dict[int, int] = {}
+        self.model_time = 0.0
+        """Seconds spent in the head's forwards and draws (``RunStats.time_draft_model``)."""
+        self.model_forwards = 0
+
+    @classmethod
+    def create(cls, *, head: DraftHead | None = None, max_depth: int, max_nodes: int, num_candidates: int = 1,
+               temperature: float = 1.0, scheme: str = "auto", decision_threshold: float | None = None,
+               **_) -> ModelDrafter:
+        if head is None:
+            raise ValueError("drafter='model' needs a draft model: give SpecConfig(draft_model=...) a draft head file, "
+                             "or use a target that has one paired in the registry")
+        threshold = head.config.threshold if decision_threshold is None else decision_threshold
+        return cls(head=head, max_depth=max_depth, max_nodes=max_nodes, num_candidates=num_candidates,
+                   temperature=temperature, replacement=candidates_with_replacement(scheme), threshold=threshold)
+
+    @staticmethod
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, num_candidates: int = 1, scheme: str = "auto",
+                  **_) -> DraftLaw:
+        """Up to ``num_candidates`` children of the root, drawn without replacement from q (i.i.d.
+        where ``scheme`` needs that); every other node has one child."""
+        law = IID if candidates_with_replacement(scheme) else WITHOUT_REPLACEMENT
+        return DraftLaw(law, max(1, min(num_candidates, max_nodes)))
+
+    # ------------------------------------------------------------------ state
+    def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
+        pass
+
+    def observe(self, sample_id: int, new_tokens: list[int], token_probs=None, alternatives=None) -> None:
+        if new_tokens:
+            self.last_token[sample_id] = int(new_tokens[-1])
+
+    def observe_features(self, sample_ids: list[int], features: torch.Tensor) -> None:
+        """The target's final hidden state at each sample's last verified position (the row whose
+        distribution its newest token was drawn from)."""
+        for sample_id, row in zip(sample_ids, features):
+            self.features[sample_id] = row
+
+    def remove(self, sample_id: int) -> None:
+        self.features.pop(sample_id, None)
+        self.last_token.pop(sample_id, None)
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, sample_ids: list[int], budgets: list[int],
+                uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
+        trees = [DraftTree.EMPTY] * len(sample_ids)
+        live = [i for i, (s, b) in enumerate(zip(sample_ids, budgets)) if b > 0 and s in self.features
+                and s in self.last_token]
+        if not live:
+            return trees
+        start = time.perf_counter()
+        with torch.inference_mode():
+            built = self._draft([sample_ids[i] for i in live], [budgets[i] for i in live],
+                                None if uniforms is None else [uniforms[i] for i in live])
+        for i, tree in zip(live, built):
+            trees[i] = tree
+        self.model_time += time.perf_counter() - start
+        return trees
+
+    def _draft(self, sample_ids: list[int], budgets: list[int], uniforms) -> list[DraftTree]:
+        head = self.head
+        device = head.output.device
+        greedy = self.temperature == 0 or uniforms is None
+        count = len(sample_ids)
+        width = [max(1, min(self.width, b, self.max_nodes)) for b in budgets]
+        depth = [max(1, min(self.max_depth, min(b, self.max_nodes) // w)) for b, w in zip(budgets, width)]
+        u = None if greedy else torch.tensor([list(x[: self.width * self.max_depth]) + [0.5] * max(
+            0, self.width * self.max_depth - len(x)) for x in uniforms], dtype=torch.float32, device=device)
+
+        features = torch.stack([self.features[s] for s in sample_ids]).to(device)
+        roots = torch.tensor([self.last_token[s] for s in sample_ids], device=device)
+        attention = PathAttention()
+        states = head.step(features, roots, 0, attention)
+        probs = self._probs(head.logits(states))
+        self.model_forwards += 1
+
+        # Depth 1: W candidates per sample from the root's q.
+        wmax = max(width)
+        picked = self._draw_children(probs, wmax, None if u is None else u[:, :wmax])
+        valid = torch.arange(wmax, device=device)[None, :] < torch.tensor(width, device=device)[:, None]
+        # Per node (flattened rows of this depth): its sample, local index, q row (of K), token index.
+        node_sample = torch.arange(count, device=device)[:, None].expand(count, wmax)[valid]
+        node_pick = picked[valid]
+        node_prob = probs.gather(1, picked)[valid]
+        levels = [(node_sample, node_pick, probs[node_sample], None)]  # q rows: the distribution drawn from
+        chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
+        depth_of = torch.tensor(depth, device=device)
+        # The head's calls of the previous depth: their states, path keys, and the row each
+        # frontier node continues.
+        parent_rows, prev_states = node_sample, states
+        d = 1
+        while True:
+            grow = torch.nonzero(depth_of[node_sample] > d)[:, 0]
+            if grow.numel() == 0:
+                break
+            # The head's state at each growing node gives its child's distribution.
+            attention = attention.children(parent_rows[grow])
+            states = head.step(prev_states[parent_rows[grow]], head.vocab_ids[node_pick[grow]], d, attention)
+            child_probs = self._probs(head.logits(states))
+            self.model_forwards += 1
+            keep = torch.arange(grow.numel(), device=device)
+            if self.threshold > 0:
+                score = head.decide(decision_stats(torch.full_like(grow, d), node_prob[grow], child_probs))
+                keep = torch.nonzero(score >= self.threshold)[:, 0]
+                if keep.numel() == 0:
+                    break
+            rows = grow[keep]
+            column = self.width * d + chain[rows]
+            draw = None if u is None else u[node_sample[rows], column][:, None]
+            child = self._draw_children(child_probs[keep], 1, draw)[:, 0]
+            levels.append((node_sample[rows], child, child_probs[keep], rows))
+            node_sample, chain, node_pick = node_sample[rows], chain[rows], child
+            node_prob = child_probs[keep].gather(1, child[:, None])[:, 0]
+            parent_rows, prev_states = keep, states
+            d += 1
+        return self._trees(count, levels, greedy)
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return torch.softmax(logits, -1)
+        return torch.softmax(logits / self.temperature, -1)
+
+    def _draw_children(self, probs: torch.Tensor, k: int, u: torch.Tensor | None) -> torch.Tensor:
+        """``k`` draws per row of ``probs [N, K]`` (indexes into the head's vocabulary): one after
+        another without replacement (or with it, for i.i.d. schemes) by inverting each remaining
+        CDF at the row's uniform; the top k where there are no uniforms (temperature 0)."""
+        if u is None:
+            return probs.topk(k, dim=-1).indices
+        remaining = probs.clone()
+        out = []
+        for j in range(k):
+            cdf = remaining.cumsum(-1)
+            target = (u[:, j] * cdf[:, -1]).unsqueeze(-1)
+            index = torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1)
+            # A uniform at the very top may land past the last token with mass: step back to it.
+            index = torch.where(remaining.gather(1, index) > 0, index, remaining.argmax(-1, keepdim=True))
+            out.append(index)
+            if not self.replacement:
+                remaining.scatter_(1, index, 0.0)
+        return torch.cat(out, 1)
+
+    def _trees(self, count: int, levels, greedy: bool) -> list[DraftTree]:
+        """Assemble per-sample trees (depth by depth, so parents come first) with full-vocabulary q rows."""
+        head = self.head
+        samples, tokens, rows_q, parents = [], [], [], []
+        level_local = []  # per level: each node's local index within its sample's tree
+        counts = [0] * count
+        for level, (sample, pick, q, parent_of) in enumerate(levels):
+            sample_list = sample.tolist()
+            local = []
+            for s in sample_list:
+                local.append(counts[s])
+                counts[s] += 1
+            if parent_of is None:
+                parents.extend([-1] * len(sample_list))
+            else:
+                previous = level_local[-1]
+                parents.extend(previous[r] for r in parent_of.tolist())
+            level_local.append(local)
+            samples.extend(sample_list)
+            tokens.extend(head.vocab_ids[pick].tolist())
+            rows_q.append(q)
+        per_sample_nodes: list[list[int]] = [[] for _ in range(count)]
+        for n, s in enumerate(samples):
+            per_sample_nodes[s].append(n)
+        q_full = None
+        if not greedy:
+            q_small = torch.cat(rows_q)
+            order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=q_small.device)
+            q_full = torch.zeros(order.numel(), self.vocab_size, dtype=torch.float32, device=q_small.device)
+            q_full.index_copy_(1, head.vocab_ids, q_small[order])
+            q_split = q_full.split([len(n) for n in per_sample_nodes])
+        trees = []
+        for s, nodes in enumerate(per_sample_nodes):
+            trees.append(DraftTree([tokens[n] for n in nodes], [parents[n] for n in nodes],
+                                   None if greedy else q_split[s]))
+        return trees
+

@@ -1,0 +1,218 @@
+"""A feature-level draft head (EAGLE style) and the decision model that says how deep to draft.
+
+The head drafts from the target's own last hidden state instead of from text: given the target's
+final (normed) hidden state ``h_t`` at the last verified position and the token ``x_{t+1}`` sampled
+there, one Llama decoder layer predicts the hidden state the target would have at ``t+1``; the
+target's own output rows turn it into the next token's distribution; the prediction is fed back
+with the drafted token for the next depth. The head attends only to the path it drafts in this
+step (its root and the drafted ancestors), so it keeps no cache between steps: everything it knows
+about the context comes from the target's feature at the root.
+
+Two choices keep it small and cheap:
+- it reuses the target's token embedding and output head (not stored), and its output is
+  restricted to the ``K`` tokens the target writes most often (``vocab_ids``): the full
+  49,152-row head of the default model would cost a fifth of a target step per drafted node;
+- one decoder layer with a narrower MLP than the target's.
+
+The decision model is a tiny MLP on what the head knows about a drafted node before drawing its
+child (depth, the node's own draft probability, the top probabilities and entropy of the child's
+distribution) that predicts the chance the child is accepted given the node is. Drafting stops
+below a threshold; deciding a node's descendants from the node and its distribution never
+changes the law of the node itself, so verification stays exact.
+
+Both are stored in one safetensors file with their shapes and the target they were trained for
+in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from multispec.models.config import ModelConfig
+from multispec.models.llama import DecoderLayer, LlamaForCausalLM
+
+FORMAT = "multispec-draft-head-1"
+MAX_DEPTH = 16
+"""Deepest path the head's position table covers."""
+DECISION_FEATURES = 6
+"""depth / MAX_DEPTH, the node's draft probability, the child's top-3 probabilities, its entropy / log K."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shapes of a draft head and the target it belongs to."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    num_tokens: int
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    target: str = ""
+    """Name of the target model the head was trained for (informational)."""
+    threshold: float = 0.0
+    """Decision threshold recommended with the shipped decision model (0: none shipped)."""
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=self.num_tokens, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.hidden_size // self.num_attention_heads, max_position_embeddings=MAX_DEPTH,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=10000.0, rope_scaling=None,
+                           tie_word_embeddings=False, attention_bias=False, mlp_bias=False, bos_token_id=None,
+                           eos_token_ids=[])
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_tokens: int, intermediate_size: int | None = None,
+                   name: str = "") -> HeadConfig:
+        return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
+                   num_key_value_heads=target.num_key_value_heads,
+                   intermediate_size=intermediate_size or max(64, target.intermediate_size // 2),
+                   num_tokens=num_tokens, target_vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
+                   target=name)
+
+
+class PathAttention:
+    """Attention of each drafted node over its own path: keys and values of its ancestors (kept
+    here between depths, gathered by parent) and its own. ``attend`` is the decoder layer's hook
+    (see ``multispec.models.llama.Attention``)."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        self.keys, self.values = keys, values  # [N, depth, kv_heads, head_dim] of the parents, or None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.keys is not None:
+            k = torch.cat([self.keys, k[:, None]], dim=1)
+            v = torch.cat([self.values, v[:, None]], dim=1)
+        else:
+            k, v = k[:, None], v[:, None]
+        self.keys, self.values = k, v
+        groups = q.shape[1] // k.shape[2]
+        # [N, heads, 1, D] over [N, heads, depth, D]: every key is an ancestor, no mask.
+        out = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(groups, 2).transpose(1, 2),
+                                             v.repeat_interleave(groups, 2).transpose(1, 2))
+        return out[:, :, 0]
+
+    def children(self, parents: torch.Tensor) -> PathAttention:
+        """The paths of the next depth's nodes, whose parents are the rows ``parents`` of this one."""
+        return PathAttention(self.keys[parents], self.values[parents])
+
+
+class DraftHead(nn.Module):
+    """``step(features, tokens, attention) -> next features``; ``logits(features)`` over ``vocab_ids``."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config.layer_config(), 0)
+        self.register_buffer("vocab_ids", torch.zeros(config.num_tokens, dtype=torch.long))
+        self.decision = nn.Sequential(nn.Linear(DECISION_FEATURES, 32), nn.SiLU(), nn.Linear(32, 1))
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, config.hidden_size // config.num_attention_heads, 2).float()
+                                      / (config.hidden_size // config.num_attention_heads)))
+        angles = torch.outer(torch.arange(MAX_DEPTH, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        # The target's token embedding and its output rows of vocab_ids ([K, H]): plain tensors,
+        # neither parameters nor saved.
+        self.embedding: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+
+    def attach(self, target: LlamaForCausalLM) -> DraftHead:
+        """Share the target's embedding and take its output rows of ``vocab_ids`` (not stored)."""
+        if target.config.hidden_size != self.config.hidden_size:
+            raise ValueError(f"draft head hidden size {self.config.hidden_size} does not match the target's "
+                             f"{target.config.hidden_size}")
+        if target.config.vocab_size != self.config.target_vocab_size:
+            raise ValueError(f"draft head was trained for a vocabulary of {self.config.target_vocab_size} tokens, "
+                             f"the target has {target.config.vocab_size}")
+        self.embedding = target.model.embed_tokens.weight.detach()
+        self.output = target.output_weight().detach()[self.vocab_ids].to(self.fc.weight.dtype)
+        return self
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, attention) -> torch.Tensor:
+        """Predicted target features after ``tokens`` (each following the feature beside it),
+        for nodes at path position ``depth`` (0: the root)."""
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([features.to(dtype), F.embedding(tokens, self.embedding).to(dtype)], -1))
+        cos = self.rope_cos[depth].to(x.dtype).expand(x.shape[0], -1)
+        sin = self.rope_sin[depth].to(x.dtype).expand(x.shape[0], -1)
+        return self.layer(x, cos, sin, attention)
+
+    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Training: ``features [R, H]`` at positions t, ``tokens [R, S]`` at t+1..t+S; the head's
+        own predictions fed back S times, each step attending to the steps before it, exactly as
+        a drafted chain runs. Returns the predicted features ``[R, S, H]``."""
+        attention = PathAttention()
+        feature, out = features, []
+        for s in range(tokens.shape[1]):
+            feature = self.step(feature, tokens[:, s], s, attention)
+            out.append(feature)
+        return torch.stack(out, 1)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over ``vocab_ids`` (float32)."""
+        return F.linear(features.to(self.output.dtype), self.output).float()
+
+    def decide(self, stats: torch.Tensor) -> torch.Tensor:
+        """Predicted chance that a node's child is accepted given the node is (see ``decision_stats``)."""
+        return torch.sigmoid(self.decision(stats.to(self.decision[0].weight.dtype)).squeeze(-1).float())
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> None:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() and not k.startswith("decision") else v)
+                   for k, v in tensors.items()}
+        save_file(tensors, str(path), metadata={"format": FORMAT, "config": json.dumps(asdict(self.config))})
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+        """Read a head file; a ValueError says what is wrong with one that is not a draft head."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"draft head not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear message
+            raise ValueError(f"{path} is not a safetensors file: {error}") from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a multispec draft head (metadata format {meta.get('format')!r}, "
+                             f"expected {FORMAT!r})")
+        config = HeadConfig(**json.loads(meta["config"]))
+        head = cls(config)
+        missing = sorted(set(head.state_dict()) - set(tensors))
+        if missing:
+            raise ValueError(f"{path} lacks draft head tensors: {missing[:5]}")
+        try:
+            head.load_state_dict(tensors, strict=True)
+        except RuntimeError as error:
+            raise ValueError(f"{path} does not match its own shapes: {str(error).splitlines()[0]}") from None
+        head.decision.float()
+        floats = [p for n, p in head.named_parameters() if not n.startswith("decision")]
+        for p in floats:
+            p.data = p.data.to(dtype)
+        return head.to(device).eval()
+
+
+def decision_stats(depth: torch.Tensor, node_prob: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
+    """The decision model's input for nodes at ``depth`` drawn with probability ``node_prob`` whose
+    child would be drawn from ``child_probs [N, K]``."""
+    top = child_probs.topk(min(3, child_probs.shape[-1]), dim=-1).values
+    if top.shape[-1] < 3:
+        top = F.pad(top, (0, 3 - top.shape[-1]))
+    entropy = -(child_probs * child_probs.clamp_min(1e-12).log()).sum(-1) / math.log(max(2, child_probs.shape[-1]))
+    return torch.stack([depth.float() / MAX_DEPTH, node_prob.float(), top[:, 0], top[:, 1], top[:, 2], entropy], -1)

@@ -1,0 +1,325 @@
+"""Draft-model drafting (``drafter="model"``): exact multi-candidate trees, the decision model,
+the features the engine hands the head, training, bad input.
+
+Every verification scheme with these drafts is also walked in ``tests/engine/test_configurations.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2, chisquare, ncx2
+
+from multispec import LLM, SamplingParams, SpecConfig
+from multispec.drafters import DRAFTERS, ModelDrafter
+from multispec.models.draft_head import DraftHead, HeadConfig
+from multispec.training import Sequences, agreement, pick_threshold, teacher_forced, train_head, TrainConfig
+from tests.helpers import exact_cells
+from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
+
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The tiny successor model, a copy head for it, and a prompt around its short cycle."""
+    directory = tmp_path_factory.mktemp("successor-head")
+    successor = write_successor_model(directory)
+    llm = LLM(str(directory), device="cpu", dtype="float32")
+    head = directory / "head.safetensors"
+    write_copy_head(head, llm)
+    prompt = chain(successor, cycle_start(successor), 24)
+    return llm, head, prompt, successor
+
+
+def spec(head, **options) -> SpecConfig:
+    return SpecConfig(drafter="model", draft_model=str(head), adaptive=False, **options)
+
+
+def _power(expected_p: list[float], total: int, moved: float) -> float:
+    shifted = list(expected_p)
+    shifted[0] -= moved
+    shifted[1] += moved
+    df = len(expected_p) - 1
+    return ncx2.sf(chi2.isf(ALPHA, df), df, total * sum((a - b) ** 2 / b for a, b in zip(shifted, expected_p)))
+
+
+def test_three_candidates_keep_the_two_token_law(setup):
+    """Chi-square of 6,000 samples' first two tokens against their exact law, drafting three
+    candidates without replacement, two deep, with the decision model cutting some chains. Cells:
+    every pair with probability >= 0.5%, plus the rest. Power: >= 0.9 at alpha 1e-3 against a
+    sampler that moves 3% of the mass from the likeliest pair to the second."""
+    llm, head, prompt, _ = setup
+    cells = exact_cells(llm, prompt, 1.0, 2, threshold=0.005)
+    keys = sorted(cells, key=cells.get, reverse=True)
+    expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
+    calls, per_call = 3, 2000
+    total = calls * per_call
+    assert _power(expected_p, total, 0.03) >= 0.9
+    config = spec(head, num_candidates=3, max_draft_tokens=2, decision_threshold=0.5)
+    counts, other, accepted, drafted = dict.fromkeys(keys, 0), 0, 0, 0
+    for seed in range(calls):
+        out = llm.generate([prompt], SamplingParams(n=per_call, temperature=1.0, max_tokens=4, ignore_eos=True,
+                                                    seed=seed), config, use_tqdm=False)[0]
+        accepted += llm.last_stats.accepted_tokens
+        drafted += llm.last_stats.drafted_tokens
+        for completion in out.outputs:
+            key = tuple(completion.token_ids[:2])
+            if key in counts:
+                counts[key] += 1
+            else:
+                other += 1
+    assert accepted > 0.3 * total, "too few accepted drafts to exercise verification"
+    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
+
+
+def _longest_continuation(p1: torch.Tensor, p2: torch.Tensor, q2: torch.Tensor, width: int, runs: int,
+                          generator: torch.Generator) -> torch.Tensor:
+    """The first two tokens as the public code of the dynamic-depth paper picks them: ``width``
+    first tokens sampled from the target, each given a drafted second token (from q2), each draft
+    checked by speculative sampling, and the candidate whose draft was accepted kept (the first one
+    when none or several were); its second token is the accepted draft or a draw from the
+    residual."""
+    firsts = torch.multinomial(p1.expand(runs, -1), width, replacement=True, generator=generator)  # [R, W]
+    drafts = torch.multinomial(q2[firsts.flatten()], 1, generator=generator).view(runs, width)
+    p, q = p2[firsts, drafts], q2[firsts, drafts]
+    accepted = torch.rand(runs, width, generator=generator) < (p / q).clamp(max=1)
+    chosen = torch.where(accepted.any(1), accepted.float().argmax(1), torch.zeros(runs, dtype=torch.long))
+    first = firsts.gather(1, chosen[:, None])[:, 0]
+    residual = (p2[first] - q2[first]).clamp(min=0)
+    residual = residual / residual.sum(1, keepdim=True)
+    resampled = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    second = torch.where(accepted.gather(1, chosen[:, None])[:, 0], drafts.gather(1, chosen[:, None])[:, 0], resampled)
+    return first * p2.shape[1] + second
+
+
+def test_longest_continuation_choice_breaks_the_law():
+    """The documented ablation: choosing among several target-sampled first tokens by whose
+    continuation is accepted favours first tokens with easy continuations. A first token whose
+    continuation the draft predicts well (token 0) wins the choice more often than its
+    probability, so the joint law of the first two tokens moves; the same chi-square that
+    speculation passes rejects it (20,000 runs, four first tokens, four second tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    p1 = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    p2 = torch.tensor([[0.9, 0.05, 0.03, 0.02], [0.3, 0.3, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25], [0.4, 0.3, 0.2, 0.1]])
+    q2 = torch.tensor([[0.85, 0.08, 0.05, 0.02], [0.1, 0.1, 0.4, 0.4], [0.7, 0.1, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    runs = 20000
+    pairs = _longest_continuation(p1, p2, q2, width=3, runs=runs, generator=generator)
+    observed = torch.bincount(pairs, minlength=16).double()
+    expected = (p1[:, None] * p2).flatten().double() * runs
+    assert chisquare(observed.tolist(), expected.tolist()).pvalue < 1e-12
+    # The exact rule on the same distributions passes: one target sample as root, as multispec does.
+    first = torch.multinomial(p1.expand(runs, -1), 1, generator=generator)[:, 0]
+    draft = torch.multinomial(q2[first], 1, generator=generator)[:, 0]
+    keep = torch.rand(runs, generator=generator) < (p2[first, draft] / q2[first, draft]).clamp(max=1)
+    residual = (p2[first] - q2[first]).clamp(min=0)
+    second = torch.where(keep, draft, torch.multinomial(residual / residual.sum(1, keepdim=True), 1,
+                                                        generator=generator)[:, 0])
+    exact = torch.bincount(first * 4 + second, minlength=16).double()
+    assert chisquare(exact.tolist(), expected.tolist()).pvalue > ALPHA
+
+
+def test_greedy_drafts_give_greedy_decoding(setup):
+    llm, head, prompt, _ = setup
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
+    plain = llm.generate([prompt], greedy, SpecConfig(), use_tqdm=False)[0]
+    out = llm.generate([prompt], greedy, spec(head, num_candidates=2, max_draft_tokens=3), use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 0
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
+
+
+def test_trees_are_rooted_wide_then_chains_and_carry_their_q(setup, check_tree):
+    """W candidates at depth 1 drawn without replacement (distinct tokens) from one q row, then
+    one child a node; every node's q gives its token positive mass; the stats count the head's
+    forwards and time."""
+    llm, head, prompt, _ = setup
+    trees = []
+    llm.engine.step_observers.append(lambda report: trees.extend(report.trees))
+    try:
+        llm.generate([prompt], SamplingParams(n=8, temperature=1.0, max_tokens=12, ignore_eos=True, seed=3),
+                     spec(head, num_candidates=3, max_draft_tokens=3), use_tqdm=False)
+    finally:
+        llm.engine.step_observers.clear()
+    stats = llm.last_stats
+    assert stats.draft_forwards > 0 and 0 < stats.time_draft_model <= stats.time_draft
+    full = [t for t in trees if len(t.tokens) == 9]
+    assert full, "no full-size tree was drafted"
+    for tree in trees:
+        if tree.tokens:
+            check_tree(tree, 9, 3, llm.config.vocab_size)
+    for tree in full:
+        roots = [i for i, parent in enumerate(tree.parents) if parent < 0]
+        assert len(roots) == 3 and len({tree.tokens[i] for i in roots}) == 3
+        assert all(torch.equal(tree.q[roots[0]], tree.q[i]) for i in roots)
+        children = [tree.parents.count(i) for i in range(len(tree.tokens))]
+        assert max(children) == 1
+
+
+def test_decision_threshold_shortens_chains(setup):
+    """Threshold 1 stops every chain after its first node; 0 drafts the full depth; a head's own
+    threshold (from its file) is the default."""
+    llm, head, prompt, _ = setup
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=16, ignore_eos=True, seed=1)
+    drafted = {}
+    for threshold in (0.0, 1.0):
+        llm.generate([prompt], params, spec(head, num_candidates=2, max_draft_tokens=4, decision_threshold=threshold),
+                     use_tqdm=False)
+        drafted[threshold] = llm.last_stats.drafted_tokens / llm.last_stats.sample_steps
+    assert drafted[1.0] <= 2.0 < drafted[0.0]
+    assert ModelDrafter.create(head=DraftHead.load(head), max_depth=4, max_nodes=8).threshold == 0.0
+
+
+def test_engine_hands_the_head_the_target_features_of_the_last_verified_position(setup, monkeypatch):
+    """After every step, the feature a sample's drafter holds is the target's final hidden state at
+    the position its newest token was drawn from, i.e. a plain forward over the prompt and all
+    but the newest token, last row."""
+    llm, head, prompt, _ = setup
+    seen = []
+
+    class Recording(ModelDrafter):
+        def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
+            super().observe(sample_id, new_tokens, token_probs, alternatives)
+            self.__dict__.setdefault("written", {}).setdefault(sample_id, []).extend(new_tokens)
+
+        def observe_features(self, sample_ids, features):
+            super().observe_features(sample_ids, features)
+            for sample_id, row in zip(sample_ids, features):
+                seen.append((list(self.written[sample_id]), row.clone()))
+
+    monkeypatch.setitem(DRAFTERS, "model", Recording)
+    llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=5),
+                 spec(head, num_candidates=2, max_draft_tokens=3), use_tqdm=False)
+    assert llm.last_stats.accepted_tokens > 0 and len(seen) > 6
+    for written, feature in seen:
+        want = llm.engine.sequence_states(prompt + written[:-1])[-1]
+        torch.testing.assert_close(feature, want, atol=1e-4, rtol=1e-4)
+
+
+def test_training_teaches_the_head_the_target(setup):
+    """A head trained from scratch on the tiny model's own samples agrees with the target's top
+    token on held-out samples far more often than before training (the target's top token is the
+    successor of the last one for most positions; an untrained head picks it about 1 in 400)."""
+    llm, _, prompt, successor = setup
+    torch.manual_seed(0)
+    answers = []
+    for seed, start in enumerate(range(0, 400, 25)):
+        ids = chain(successor, start, 6)
+        out = llm.generate([ids], SamplingParams(n=8, temperature=1.0, max_tokens=40, ignore_eos=True, seed=seed),
+                           use_tqdm=False)[0]
+        answers += [(ids + c.token_ids, len(ids)) for c in out.outputs]
+    train, held = teacher_forced(llm, answers[:112]), teacher_forced(llm, answers[112:])
+    config = TrainConfig(epochs=6, batch=128, unroll=2, lr=3e-3)
+    model = DraftHead(HeadConfig.for_target(llm.config, llm.config.vocab_size, intermediate_size=64))
+    model.vocab_ids.copy_(torch.arange(llm.config.vocab_size))
+    model.attach(llm.model)
+    before = agreement(model, held, 2)
+    train_head(model, train, config, log=lambda line: None)
+    after = agreement(model, held, 2)
+    assert before[0]["agree"] < 0.1
+    assert after[0]["agree"] > 0.5 and after[1]["agree"] > 0.3
+    assert after[0]["accept"] > before[0]["accept"] + 0.3
+
+
+def test_threshold_keeps_the_accepted_children():
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.2, 0.1, 0.05])
+    labels = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    assert pick_threshold(scores, labels) == 0.7
+    assert pick_threshold(scores, torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])) == 0.05
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("options,field", [
+    ({"num_candidates": 0}, "num_candidates"),
+    ({"max_draft_tokens": 0}, "max_draft_tokens"),
+    ({"decision_threshold": 1.5}, "decision_threshold"),
+    ({"decision_threshold": -0.1}, "decision_threshold"),
+    ({"max_draft_nodes": 0}, "max_draft_nodes"),
+])
+def test_bad_settings_name_their_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        SpecConfig(drafter="model", **options)
+
+
+def test_draft_model_needs_the_model_drafter():
+    with pytest.raises(ValueError, match="draft_model"):
+        SpecConfig(drafter="consensus", draft_model="head.safetensors")
+
+
+def test_default_max_draft_nodes_is_depth_times_width():
+    assert SpecConfig(drafter="model", num_candidates=3, max_draft_tokens=4).max_draft_nodes == 12
+    assert SpecConfig(drafter="consensus").max_draft_nodes == 6
+
+
+def test_heads_that_cannot_serve_the_target_are_refused(setup, tmp_path):
+    llm, head, prompt, _ = setup
+    params = SamplingParams(n=2, max_tokens=4)
+    with pytest.raises(ValueError, match="no draft head is paired"):
+        llm.generate([prompt], params, SpecConfig(drafter="model"), use_tqdm=False)
+    with pytest.raises(ValueError, match="not found"):
+        llm.generate([prompt], params, spec(tmp_path / "missing.safetensors"), use_tqdm=False)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a tensor file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        llm.generate([prompt], params, spec(junk), use_tqdm=False)
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(2)}, str(other))
+    with pytest.raises(ValueError, match="not a multispec draft head"):
+        llm.generate([prompt], params, spec(other), use_tqdm=False)
+    wide = tmp_path / "wide.safetensors"
+    config = HeadConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                        num_tokens=10, target_vocab_size=llm.config.vocab_size)
+    DraftHead(config).save(wide)
+    with pytest.raises(ValueError, match="hidden size 128 does not match the target's 64"):
+        llm.generate([prompt], params, spec(wide), use_tqdm=False)
+    vocab = tmp_path / "vocab.safetensors"
+    DraftHead(HeadConfig.for_target(llm.config, 10)).save(vocab)  # fine
+    other_vocab = HeadConfig(**{**HeadConfig.for_target(llm.config, 10).__dict__, "target_vocab_size": 500})
+    DraftHead(other_vocab).save(vocab)
+    with pytest.raises(ValueError, match="vocabulary of 500"):
+        llm.generate([prompt], params, spec(vocab), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------- command line, shipped head
+def test_cli_generates_with_a_draft_head_and_refuses_bad_training_options(setup, capsys):
+    from multispec.cli import main
+
+    llm, head, _, _ = setup
+    directory = str(head.parent)
+    assert main(["generate", "--model", directory, "--dtype", "float32", "--drafter", "model", "--draft-model",
+                 str(head), "--num-candidates", "2", "--prompt", "hello", "--max-tokens", "6", "--n", "2"]) == 0
+    assert main(["generate", "--model", directory, "--drafter", "model", "--num-candidates", "0", "--prompt",
+                 "hello"]) == 2
+    assert "num_candidates" in capsys.readouterr().err
+    assert main(["train-draft", "--model", directory, "--questions", "0"]) == 2
+    assert "--questions" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_for_the_default_model(llm):
+    """The registry pairs the default model with its trained head: drafter="model" needs no file,
+    and on a GSM8K question the head's drafts are accepted often (tau well above 1; the benchmark
+    has the figures)."""
+    from multispec.models import DEFAULT_MODEL, paired_draft_head
+    from multispec.reasoning import load_gsm8k
+
+    assert paired_draft_head(DEFAULT_MODEL) is not None
+    conversation = load_gsm8k(limit=1)[0].chat()
+    llm.chat([conversation], SamplingParams(n=4, temperature=0.7, max_tokens=64, seed=0),
+             SpecConfig(drafter="model", num_candidates=2, max_draft_tokens=4, adaptive=False), use_tqdm=False)
+    stats = llm.last_stats
+    assert stats.draft_forwards > 0
+    assert stats.tau > 1.8, stats.summary()
+
+
+def test_batched_teacher_forcing_equals_one_sequence_at_a_time(setup):
+    llm, _, prompt, successor = setup
+    sequences = [prompt, chain(successor, 3, 9), prompt[:5]]
+    together = llm.engine.batch_states(sequences)
+    for ids, got in zip(sequences, together):
+        torch.testing.assert_close(got, llm.engine.sequence_states(ids), atol=1e-5, rtol=1e-5)
+    data = teacher_forced(llm, [(ids, 2) for ids in sequences], per_forward=20)
+    assert data.tokens.tolist() == [t for ids in sequences for t in ids[1:]]
+    assert data.sequence.tolist() == [k for k, ids in enumerate(sequences) for _ in ids[1:]]
