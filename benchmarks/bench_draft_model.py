@@ -1,4 +1,4 @@
-"""Draft-model speculation on GSM8K: the shipped draft head against plain decoding and consensus.
+"""Draft-model speculation on GSM8K: the shipped draft head against plain decoding, consensus and both.
 
 Default model, GSM8K test questions in the chat template, max_tokens 256, bf16 where the machine
 has it. Cells: one request of 4 samples in flight at a time, one of 16 at a time, and 4 x 16
@@ -12,7 +12,11 @@ batched, at temperature 0.7 and 1.0. Rows:
 - model-w2-decision: as model-w2 with the head's decision model stopping chains (the ablation of
   the decision model against fixed depth);
 - model-auto: SpecConfig(drafter="model", num_candidates=2): decision model and the adaptive draft
-  budget, the setting a user gets by asking for the draft model.
+  budget, the setting a user gets by asking for the draft model;
+- consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
+  and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
+  nodes every step: the hybrid against its parts;
+- hybrid: SpecConfig(drafter="hybrid", num_candidates=2) with the adaptive budget.
 
 Columns: tau (tokens per sample per forward), acceptance, tokens/s, speedup over none in the same
 run (median over ``--runs`` runs), the share of a step spent drafting and in the head's forwards.
@@ -39,7 +43,8 @@ CELLS = [  # (questions, n, one request at a time)
     (2, 16, True),
     (4, 16, False),
 ]
-ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto")
+ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto",
+        "consensus-fixed", "hybrid-fixed", "hybrid")
 
 
 def configs(depth: int):
@@ -52,7 +57,12 @@ def configs(depth: int):
             "model-w2": SpecConfig(num_candidates=2, **fixed),
             "model-w4": SpecConfig(num_candidates=4, **fixed),
             "model-w2-decision": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2, adaptive=False),
-            "model-auto": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2)}
+            "model-auto": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2),
+            "consensus-fixed": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=2 * depth,
+                                          adaptive=False),
+            "hybrid-fixed": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2, adaptive=False,
+                                       decision_threshold=0.0),
+            "hybrid": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2)}
 
 
 def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: bool, rows, runs: int, depth: int,
@@ -104,7 +114,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype)
     print(f"model {args.model} on {llm.device}, {llm.dtype}", file=sys.stderr)
-    if any(r == "consensus" or r == "model-auto" for r in rows):
+    if any(r in ("consensus", "model-auto", "hybrid") for r in rows):
         llm.engine.step_costs()  # the adaptive budget's prices, measured before any timing
     table = []
     for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -164,12 +164,15 @@ def cmd_train_draft(args) -> int:
     from multispec.training import TrainConfig, train_draft
 
     config = TrainConfig(questions=args.questions, samples=args.samples, epochs=args.epochs, seed=args.seed,
-                         num_tokens=args.num_tokens, unroll=args.unroll)
+                         num_tokens=args.num_tokens, unroll=args.unroll, references=args.references)
+    if args.references < 0:
+        raise ValueError(f"--references {args.references}: must be >= 0")
     for name in ("questions", "samples", "epochs", "num_tokens", "unroll"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     llm = _llm(args)
-    train_draft(llm, Path(args.output), config, log=lambda line: print(line, flush=True))
+    train_draft(llm, Path(args.output), config, log=lambda line: print(line, flush=True),
+                answers_file=Path(args.answers) if args.answers else None)
     return 0
 
 
@@ -221,11 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = TrainConfig()
     trn.add_argument("--output", default="draft-head.safetensors", help="where the head goes (default: %(default)s)")
-    trn.add_argument("--questions", type=int, default=defaults.questions)
+    trn.add_argument("--questions", type=int, default=defaults.questions, help="questions the model answers itself")
     trn.add_argument("--samples", type=int, default=defaults.samples, help="answers per question")
     trn.add_argument("--epochs", type=int, default=defaults.epochs)
     trn.add_argument("--num-tokens", type=int, default=defaults.num_tokens, help="the head's vocabulary size")
     trn.add_argument("--unroll", type=int, default=defaults.unroll, help="training-time draft depth")
+    trn.add_argument("--references", type=int, default=defaults.references,
+                     help="further questions whose reference solution is teacher-forced as the answer")
+    trn.add_argument("--answers", help="keep the sampled answers in this JSON file (a rerun reuses them)")
     trn.add_argument("--seed", type=int, default=defaults.seed)
     trn.set_defaults(func=cmd_train_draft)
 

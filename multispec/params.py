@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 from enum import Enum
 from numbers import Integral, Real
 
+HEAD_DRAFTERS = ("model", "hybrid")
+"""Drafters that draft with a draft head (``SpecConfig.draft_model``)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as in vLLM): a smaller one would overflow the softmax."""
 SEED_RANGE = (-(1 << 63), 1 << 64)
@@ -113,7 +115,8 @@ class SpecConfig:
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
 
-    ``drafter="model"`` drafts with a draft head over the target's features: ``draft_model`` is
+    ``drafter="model"`` drafts with a draft head over the target's features (``"hybrid"``: merged
+    with consensus's sibling drafts, verified deterministically): ``draft_model`` is
     the head's file (None: the head the registry pairs with the target), ``num_candidates`` the
     candidates drawn at the root, each extended as a chain up to ``max_draft_tokens``;
     ``decision_threshold`` stops a chain where the head's decision model gives its next token less
@@ -162,11 +165,12 @@ class SpecConfig:
                        lambda t: 0 <= t <= 1)
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise _bad("draft_model", self.draft_model, "must be a path (a string) or None")
-        if self.drafter == "model":
+        if self.drafter in HEAD_DRAFTERS:
             check_int("max_draft_tokens", self.max_draft_tokens, 1)
             check_int("max_draft_nodes", self.max_draft_nodes, 1)
         elif self.draft_model is not None:
-            raise _bad("draft_model", self.draft_model, f"is used only by drafter='model' (drafter={self.drafter!r})")
+            raise _bad("draft_model", self.draft_model,
+                       f"is used only by drafter='model' or 'hybrid' (drafter={self.drafter!r})")
         check_drafts(self.scheme, self.draft_law, drafter=self.drafter)
 
     @property

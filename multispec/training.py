@@ -1,7 +1,10 @@
 """Training a draft head (and its decision model) from the target alone, offline.
 
-1. **Samples.** The target answers GSM8K train questions (chat template), half at temperature 0.7
-   and half at 1.0, several samples each: the text the head will draft for.
+1. **Text.** The target answers GSM8K train questions (chat template), half at temperature 0.7
+   and half at 1.0, several samples each: the text the head will draft for. More questions come
+   with the dataset's own reference solutions (calculator annotations removed) as the answer:
+   text the target did not write, but on which its features and distributions are just as much
+   what the head must learn, at the cost of one prefill instead of a generation.
 2. **Features.** One teacher-forced prefill over each prompt + answer gives the target's final
    hidden state at every answer position and the log-normaliser of its distribution there.
 3. **Head.** The head's output is restricted to the tokens the target wrote most often. Each
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,20 +37,23 @@ from multispec.models.draft_head import DraftHead, HeadConfig, decision_stats
 
 @dataclass
 class TrainConfig:
-    questions: int = 640
+    questions: int = 320
     """GSM8K train questions the target answers for the head's data."""
     samples: int = 2
     """Samples per question (half the questions at temperature 0.7, half at 1.0)."""
     max_tokens: int = 256
+    references: int = 2000
+    """Further train questions whose reference solution is teacher-forced as the answer."""
     held_out: int = 32
     """Further train questions kept out of training, for the agreement figures and the decision model."""
-    num_tokens: int = 4096
+    num_tokens: int = 8192
     """The head's vocabulary: the tokens the target wrote most often."""
     intermediate_size: int = 768
     unroll: int = 3
-    epochs: int = 4
+    epochs: int = 2
     batch: int = 512
     lr: float = 1e-3
+    weight_decay: float = 0.01
     feature_weight: float = 0.5
     decision_depth: int = 5
     seed: int = 0
@@ -129,7 +136,7 @@ def train_head(head: DraftHead, data: Sequences, config: TrainConfig, log=print)
     starts = data.starts(config.unroll)
     output = head.output.float()
     params = [p for n, p in head.named_parameters() if not n.startswith("decision")]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     steps = config.epochs * math.ceil(starts.numel() / config.batch)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps, pct_start=0.05)
     generator = torch.Generator().manual_seed(config.seed)
@@ -232,23 +239,42 @@ def pick_threshold(scores: torch.Tensor, labels: torch.Tensor, keep: float = 0.9
     return best
 
 
-def train_draft(llm, output: Path, config: TrainConfig, log=print) -> dict:
+def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file: Path | None = None) -> dict:
     """Build, train and save a draft head (with its decision model) for ``llm``'s model; returns
-    the figures it printed."""
+    the figures it printed. ``answers_file``: where the sampled answers are kept (JSON), so a
+    second run with the same settings trains without sampling again."""
+    import json
+
     from multispec.reasoning import load_gsm8k
 
     torch.manual_seed(config.seed)
     started = time.perf_counter()
-    problems = load_gsm8k(limit=config.questions + 2 * config.held_out, split="train")
+    count = config.questions + 2 * config.held_out + config.references
+    problems = load_gsm8k(limit=count, split="train")
     train_q, held_q = problems[:config.questions], problems[config.questions:config.questions + config.held_out]
-    decision_q = problems[config.questions + config.held_out:]
-    log(f"sampling answers to {len(train_q) + len(held_q)} GSM8K train questions")
-    answers = _answers(llm, train_q + held_q, config, log)
-    train_seqs = [a for a in answers if a[2] < len(train_q)]
-    held_seqs = [a for a in answers if a[2] >= len(train_q)]
-    log("teacher-forced features")
-    train = teacher_forced(llm, [(ids, n) for ids, n, _ in train_seqs])
-    held = teacher_forced(llm, [(ids, n) for ids, n, _ in held_seqs])
+    decision_q = problems[config.questions + config.held_out:config.questions + 2 * config.held_out]
+    reference_q = problems[config.questions + 2 * config.held_out:]
+    key = {"model": str(llm.model_name), "questions": config.questions, "held_out": config.held_out,
+           "samples": config.samples, "max_tokens": config.max_tokens, "seed": config.seed}
+    cached = json.loads(answers_file.read_text()) if answers_file is not None and answers_file.is_file() else {}
+    if cached.get("key") == key:
+        answers = [tuple(a) for a in cached["answers"]]
+        log(f"{len(answers)} sampled answers from {answers_file}")
+    else:
+        log(f"sampling answers to {len(train_q) + len(held_q)} GSM8K train questions")
+        answers = _answers(llm, train_q + held_q, config, log)
+        if answers_file is not None:
+            answers_file.parent.mkdir(parents=True, exist_ok=True)
+            answers_file.write_text(json.dumps({"key": key, "answers": answers}))
+    train_seqs = [(ids, n) for ids, n, i in answers if i < len(train_q)]
+    held_seqs = [(ids, n) for ids, n, i in answers if i >= len(train_q)]
+    train_seqs += _reference_answers(llm, reference_q)
+    log(f"teacher-forced features of {len(train_seqs)} training answers ({len(reference_q)} of them reference "
+        f"solutions) and {len(held_seqs)} held-out ones")
+    start = time.perf_counter()
+    train = teacher_forced(llm, train_seqs)
+    held = teacher_forced(llm, held_seqs)
+    log(f"  {time.perf_counter() - start:.0f}s")
     vocab = frequent_tokens(train, config.num_tokens, llm.config.vocab_size)
     coverage = float(torch.isin(held.tokens, vocab).float().mean())
     log(f"  {train.tokens.numel()} training positions, {held.tokens.numel()} held out; the {vocab.numel()} most "
@@ -289,6 +315,24 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print) -> dict:
     log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB) in {elapsed / 60:.1f} min")
     return {"agreement": figures, "coverage": coverage, "threshold": threshold, "decision_rows": len(y),
             "minutes": elapsed / 60}
+
+
+_CALCULATOR = re.compile(r"<<[^>]*>>")
+
+
+def _reference_answers(llm, problems) -> list[tuple[list[int], int]]:
+    """(prompt + reference solution ids, prompt length) of each problem, its solution as the
+    assistant's turn: the worked steps without the dataset's calculator annotations, then
+    '#### <answer>' as the prompt asks."""
+    out = []
+    tokenizer = llm.tokenizer
+    end = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    for problem in problems:
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(problem.chat(), add_generation_prompt=True),
+                                  add_special_tokens=False)
+        answer = tokenizer.encode(_CALCULATOR.sub("", problem.data["solution"]), add_special_tokens=False)
+        out.append((prompt + answer + ([end] if end is not None else []), len(prompt)))
+    return out
 
 
 def _answers(llm, problems, config: TrainConfig, log) -> list[tuple[list[int], int, int]]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from multispec.drafters.base import Drafter, DraftTree, NoDrafter
 from multispec.drafters.consensus import ConsensusDrafter
+from multispec.drafters.hybrid import HybridDrafter
 from multispec.drafters.model import ModelDrafter
 from multispec.drafters.ngram import NgramDrafter
 from multispec.verify.schemes import DraftLaw
 
-__all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
+__all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
            "draft_law", "make_drafter"]
 
 DRAFTERS: dict[str, type] = {
@@ -20,6 +21,7 @@ DRAFTERS: dict[str, type] = {
     "consensus": ConsensusDrafter,  # the sibling samples draft for each other
     "ngram": NgramDrafter,  # prompt lookup over the sample's own text
     "model": ModelDrafter,  # a draft head over the target's features proposes candidate trees
+    "hybrid": HybridDrafter,  # consensus and the draft head in one tree, verified deterministically
 }
 
 

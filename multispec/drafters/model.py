@@ -11,7 +11,9 @@ the tree is verified with the exact multi-draft schemes (recursive rejection wit
 by default).
 
 At temperature 0 the candidates are the top ones of q and the chains follow its argmax; greedy
-verification checks them.
+verification checks them. ``copied=True`` drafts that way at any temperature, each node with its
+q probability as the drafter's confidence and no q: drafts for the deterministic scheme, which is
+exact for any tree (the hybrid drafter's use).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class ModelDrafter:
     wants_features = True
 
     def __init__(self, *, head: DraftHead, max_depth: int, max_nodes: int, num_candidates: int = 1,
-                 temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0):
+                 temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0, copied: bool = False):
         self.head = head
         self.max_depth = max_depth
         self.max_nodes = max_nodes
@@ -51,6 +53,7 @@ class ModelDrafter:
         self.temperature = temperature
         self.replacement = replacement
         self.threshold = threshold
+        self.copied = copied
         self.vocab_size = head.config.target_vocab_size
         self.features: dict[int, torch.Tensor] = {}
         self.last_token: dict[int, int] = {}
@@ -115,7 +118,7 @@ class ModelDrafter:
     def _draft(self, sample_ids: list[int], budgets: list[int], uniforms) -> list[DraftTree]:
         head = self.head
         device = head.output.device
-        greedy = self.temperature == 0 or uniforms is None
+        greedy = self.copied or self.temperature == 0 or uniforms is None
         count = len(sample_ids)
         width = [max(1, min(self.width, b, self.max_nodes)) for b in budgets]
         depth = [max(1, min(self.max_depth, min(b, self.max_nodes) // w)) for b, w in zip(budgets, width)]
@@ -218,8 +221,11 @@ class ModelDrafter:
         per_sample_nodes: list[list[int]] = [[] for _ in range(count)]
         for n, s in enumerate(samples):
             per_sample_nodes[s].append(n)
-        q_full = None
-        if not greedy:
+        confidence = None
+        if greedy:  # each node's q probability, the drafter's confidence in it
+            picks = torch.cat([pick for _, pick, _, _ in levels])
+            confidence = torch.cat(rows_q).gather(1, picks[:, None])[:, 0].tolist()
+        else:
             q_small = torch.cat(rows_q)
             order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=q_small.device)
             q_full = torch.zeros(order.numel(), self.vocab_size, dtype=torch.float32, device=q_small.device)
@@ -228,6 +234,8 @@ class ModelDrafter:
         trees = []
         for s, nodes in enumerate(per_sample_nodes):
             trees.append(DraftTree([tokens[n] for n in nodes], [parents[n] for n in nodes],
-                                   None if greedy else q_split[s]))
+                                   None if greedy else q_split[s],
+                                   None if confidence is None else [confidence[n] for n in nodes],
+                                   None if confidence is None else [0] * len(nodes)))
         return trees
 

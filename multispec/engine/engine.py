@@ -36,7 +36,7 @@ from multispec.models.draft_head import DraftHead
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import default_cache_dir
 from multispec.models.tokenizer import Tokenizer
-from multispec.params import RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
+from multispec.params import HEAD_DRAFTERS, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
 from multispec.verify.sampling import sample_key, sample_rows
 from multispec.verify.schemes import resolve
 
@@ -141,7 +141,7 @@ class LLMEngine:
         spec = spec or self.default_spec
         spec.check()
         spec.check_temperature(params.temperature)
-        if spec.speculates and spec.drafter == "model":
+        if spec.speculates and spec.drafter in HEAD_DRAFTERS:
             self.draft_head(spec.draft_model)
         eos = frozenset(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
@@ -241,7 +241,7 @@ class LLMEngine:
         lane = self.lanes.get(request.lane)
         if lane is None:
             spec = request.spec
-            head = self.draft_head(spec.draft_model) if spec.speculates and spec.drafter == "model" else None
+            head = self.draft_head(spec.draft_model) if spec.speculates and spec.drafter in HEAD_DRAFTERS else None
             lane = self.lanes[request.lane] = Lane(spec, self.vocab_size, self.prices,
                                                    temperature=request.params.temperature, head=head)
         return lane

@@ -205,7 +205,10 @@ class DraftHead(nn.Module):
         floats = [p for n, p in head.named_parameters() if not n.startswith("decision")]
         for p in floats:
             p.data = p.data.to(dtype)
-        return head.to(device).eval()
+        head = head.to(device).eval()
+        head.layer.self_attn.fuse()  # one matrix product for q/k/v and one for gate/up, as the target's
+        head.layer.mlp.fuse()
+        return head
 
 
 def decision_stats(depth: torch.Tensor, node_prob: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:

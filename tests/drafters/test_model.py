@@ -323,3 +323,24 @@ def test_batched_teacher_forcing_equals_one_sequence_at_a_time(setup):
     data = teacher_forced(llm, [(ids, 2) for ids in sequences], per_forward=20)
     assert data.tokens.tolist() == [t for ids in sequences for t in ids[1:]]
     assert data.sequence.tolist() == [k for k, ids in enumerate(sequences) for _ in ids[1:]]
+
+
+# ---------------------------------------------------------------------- hybrid
+def test_hybrid_merges_shared_prefixes_and_keeps_the_likeliest_paths():
+    from multispec.drafters import DraftTree
+    from multispec.drafters.hybrid import merge
+
+    sibling = DraftTree([5, 6, 7], [-1, 0, 1], None, [0.9, 0.8, 0.5], [3, 3, 2])
+    head = DraftTree([5, 9, 6, 4], [-1, -1, 0, 2], None, [0.95, 0.3, 0.6, 0.7], [0, 0, 0, 0])
+    merged = merge(sibling, head, budget=10)
+    assert merged.tokens == [5, 6, 7, 9, 4] and merged.parents == [-1, 0, 1, -1, 1]
+    assert merged.confidence == [0.95, 0.8, 0.5, 0.3, 0.7] and merged.evidence == [3, 3, 2, 0, 0]
+    assert merged.q is None
+    # Cut to 3 nodes by path confidence: 5 (0.95), 5-6 (0.76), 5-6-4 (0.53) beat 5-6-7 (0.38) and 9 (0.3).
+    cut = merge(sibling, head, budget=3)
+    assert cut.tokens == [5, 6, 4] and cut.parents == [-1, 0, 1]
+
+
+def test_hybrid_refuses_sampled_drafts():
+    with pytest.raises(ValueError, match="sampled_drafts"):
+        SpecConfig(drafter="hybrid", sampled_drafts=True)

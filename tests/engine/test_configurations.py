@@ -9,6 +9,7 @@ the first three tokens their exact law (chi-square, power asserted). Refused one
 ValueError before the engine runs. The draft model drafts with a copy head
 (``tests.tiny_models.write_copy_head``); its fork and tree are its candidates (three at the root,
 or two chains two deep), and it always samples, so only ``sampled_drafts=False`` is walked for it.
+The hybrid drafter (consensus and the same head, copied drafts) is walked as the others are.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ HEAD = {"path": "head.safetensors"}
 def configure(drafter: str, sampled: bool, scheme: str, shape: str) -> SpecConfig | ValueError:
     depth, nodes = SHAPES[shape]
     model = {}
-    if drafter == "model":
+    if drafter in ("model", "hybrid"):
         model = {"draft_model": HEAD["path"], "num_candidates": nodes // depth}
     try:
         return SpecConfig(drafter=drafter, sampled_drafts=sampled, scheme=scheme, max_draft_tokens=depth,
@@ -148,9 +149,9 @@ def test_the_walk_refuses_exactly_the_inexact_pairings():
     want = set()
     for drafter, sampled, scheme in COMBINATIONS:
         for shape in SHAPES:
-            copied = drafter in ("consensus", "ngram") and not sampled
+            copied = drafter in ("consensus", "ngram", "hybrid") and not sampled
             wide = SHAPES[shape][1] // SHAPES[shape][0] > 1
-            if (scheme == "greedy" or (drafter == "ngram" and sampled) or (copied and scheme in q_rules)
+            if (scheme == "greedy" or (drafter in ("ngram", "hybrid") and sampled) or (copied and scheme in q_rules)
                     or (drafter == "consensus" and sampled and wide and scheme in ("single", "without_replacement"))
                     or (drafter == "model" and wide and scheme == "single")):
                 want.add((drafter, sampled, scheme, shape))

@@ -15,7 +15,7 @@ def load_gsm8k(limit: int | None = None, offset: int = 0, split: str = "test") -
     """The problems of ``split`` ("test", or "train": what the draft head is trained on) in file
     order (offset/limit select a slice; a slice that would be empty is a ValueError naming the
     option). Each asks the question, then ``INSTRUCTION``; its reference is the number after the
-    solution's '####'."""
+    solution's '####', and ``data["solution"]`` the worked solution."""
     if split not in ("test", "train"):
         raise ValueError(f"split={split!r}: must be 'test' or 'train'")
     with resources.as_file(resources.files("multispec.reasoning").joinpath(f"data/gsm8k_{split}.jsonl")) as path:
@@ -28,7 +28,7 @@ def load_gsm8k(limit: int | None = None, offset: int = 0, split: str = "test") -
     end = None if limit is None else offset + limit
     prefix = "gsm8k" if split == "test" else "gsm8k-train"
     return [Problem(f"{prefix}/{i}", r["question"], reference_answer(r["answer"]),
-                    user_turn(f"{r['question']}\n{INSTRUCTION}"))
+                    user_turn(f"{r['question']}\n{INSTRUCTION}"), {"solution": r["answer"]})
             for i, r in enumerate(rows[offset:end], offset)]
 
 
