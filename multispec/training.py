@@ -37,23 +37,23 @@ from multispec.models.draft_head import DraftHead, HeadConfig, decision_stats
 
 @dataclass
 class TrainConfig:
-    questions: int = 320
+    questions: int = 640
     """GSM8K train questions the target answers for the head's data."""
     samples: int = 2
     """Samples per question (half the questions at temperature 0.7, half at 1.0)."""
     max_tokens: int = 256
-    references: int = 2000
+    references: int = 0
     """Further train questions whose reference solution is teacher-forced as the answer."""
     held_out: int = 32
     """Further train questions kept out of training, for the agreement figures and the decision model."""
-    num_tokens: int = 8192
+    num_tokens: int = 4096
     """The head's vocabulary: the tokens the target wrote most often."""
     intermediate_size: int = 768
     unroll: int = 3
-    epochs: int = 2
+    epochs: int = 4
     batch: int = 512
     lr: float = 1e-3
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
     feature_weight: float = 0.5
     decision_depth: int = 5
     seed: int = 0

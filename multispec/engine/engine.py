@@ -103,6 +103,7 @@ class LLMEngine:
         self._changed: dict[str, Request] = {}
         self._next_sample_id = 0
         self._heads: dict[Path, DraftHead] = {}
+        self._scratch: KVCache | None = None
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -495,7 +496,12 @@ class LLMEngine:
             if not all(0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         longest = max(lengths)
-        cache = KVCache(self.model.config, len(sequences) * longest, self.dtype, self.device)
+        # One scratch cache kept between calls: a fresh one per call spends much of a big
+        # prefill's time faulting in its new pages.
+        need = len(sequences) * longest
+        if self._scratch is None or self._scratch.capacity < need:
+            self._scratch = KVCache(self.model.config, need, self.dtype, self.device)
+        cache = self._scratch
         cache.layout(CacheShape(0, 0, len(sequences), longest))
         slots = [cache.take_prompt_slot() for _ in sequences]  # prefill reads only what it writes
         with torch.inference_mode():

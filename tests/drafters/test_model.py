@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
     directory = tmp_path_factory.mktemp("successor-head")
     successor = write_successor_model(directory)
     llm = LLM(str(directory), device="cpu", dtype="float32")
-    head = directory / "head.safetensors"
+    head = tmp_path_factory.mktemp("head") / "head.safetensors"  # not beside the checkpoint's own files
     write_copy_head(head, llm)
     prompt = chain(successor, cycle_start(successor), 24)
     return llm, head, prompt, successor
@@ -287,7 +287,7 @@ def test_cli_generates_with_a_draft_head_and_refuses_bad_training_options(setup,
     from multispec.cli import main
 
     llm, head, _, _ = setup
-    directory = str(head.parent)
+    directory = str(llm.model_name)
     assert main(["generate", "--model", directory, "--dtype", "float32", "--drafter", "model", "--draft-model",
                  str(head), "--num-candidates", "2", "--prompt", "hello", "--max-tokens", "6", "--n", "2"]) == 0
     assert main(["generate", "--model", directory, "--drafter", "model", "--num-candidates", "0", "--prompt",

@@ -38,8 +38,9 @@ def successor(tmp_path_factory):
     directory = tmp_path_factory.mktemp("successor")
     successor = write_successor_model(directory)
     llm = LLM(str(directory), device="cpu", dtype="float32")
-    write_copy_head(directory / "head.safetensors", llm)
-    HEAD["path"] = str(directory / "head.safetensors")
+    head = tmp_path_factory.mktemp("head") / "head.safetensors"  # not beside the checkpoint's own files
+    write_copy_head(head, llm)
+    HEAD["path"] = str(head)
     prompt = chain(successor, cycle_start(successor), 24)
     cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004)
     return llm, prompt, cells
