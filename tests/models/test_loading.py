@@ -62,9 +62,10 @@ def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_
     seconds, imported, path = out.stdout.split()
     assert imported == "False"
     assert Path(path) == default_checkpoint.path  # read from the cache, not converted again
-    # Loads from the cache take 2-3 s here (mostly importing torch); a fresh conversion imports
-    # transformers and writes a new file, which the two checks above catch whatever the timing.
-    assert float(seconds) < 6.0
+    # Loads from the cache take 1-3 s here (mostly importing torch), up to about 10 s when nothing
+    # is in the page cache and no bytecode is kept; a fresh conversion imports transformers and
+    # writes a new file, which the two checks above catch whatever the timing.
+    assert float(seconds) < 15.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
