@@ -477,7 +477,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ teacher forcing
     def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence, in one prefill forward through a scratch cache."""
-        return self.model.logits(self.sequence_states(token_ids))
+        states = self.sequence_states(token_ids)
+        with torch.inference_mode():
+            return self.model.logits(states)
 
     def sequence_states(self, token_ids: list[int]) -> torch.Tensor:
         """The final (normed) hidden state at every position of one sequence (the features a
