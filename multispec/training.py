@@ -141,10 +141,9 @@ def train_head(head: DraftHead, data: Sequences, config: TrainConfig, log=print)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps, pct_start=0.05)
     generator = torch.Generator().manual_seed(config.seed)
     head.train()
-    step = 0
     for epoch in range(config.epochs):
         order = starts[torch.randperm(starts.numel(), generator=generator)]
-        start, seen, running = time.perf_counter(), 0, []
+        start, running = time.perf_counter(), []
         for i in range(0, order.numel(), config.batch):
             loss, stats = head_loss(head, data, order[i:i + config.batch], config.unroll, config.feature_weight, output)
             optimizer.zero_grad()
@@ -152,9 +151,7 @@ def train_head(head: DraftHead, data: Sequences, config: TrainConfig, log=print)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
-            step += 1
             running.append(stats[0]["agree"])
-            seen += 1
         log(f"  epoch {epoch + 1}/{config.epochs}: loss {loss.item():.3f}, train top-1 agreement at depth 1 "
             f"{sum(running[-50:]) / len(running[-50:]):.3f}, {time.perf_counter() - start:.0f}s")
     head.eval()

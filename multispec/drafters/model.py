@@ -203,7 +203,7 @@ class ModelDrafter:
         samples, tokens, rows_q, parents = [], [], [], []
         level_local = []  # per level: each node's local index within its sample's tree
         counts = [0] * count
-        for level, (sample, pick, q, parent_of) in enumerate(levels):
+        for sample, pick, q, parent_of in levels:
             sample_list = sample.tolist()
             local = []
             for s in sample_list:

@@ -43,9 +43,9 @@ def paired_draft_head(name_or_path: str | Path) -> Path | None:
     head = _DRAFT_HEADS.get(str(name_or_path))
     if head is None:
         given = Path(name_or_path).expanduser()
-        for name, locate in _REGISTRY.items():
+        for name, locate in _REGISTRY.items() if given.exists() else ():
             try:
-                if given.exists() and locate().resolve() == given.resolve():
+                if locate().resolve() == given.resolve():
                     head = _DRAFT_HEADS.get(name)
             except ValueError:
                 continue
