@@ -82,7 +82,7 @@ class FillerDrafter(NoDrafter):
         return cls.current
 
     @staticmethod
-    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int) -> DraftLaw:
+    def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, **_) -> DraftLaw:
         return DraftLaw(COPIED, 1)
 
     def length(self) -> int:

@@ -25,13 +25,15 @@ measured steps is the ceiling for this engine as it is.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from multispec.models.llama import Projection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -53,30 +55,37 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     return data.numel() * 4 / _median_seconds(data.sum, repeats)
 
 
-def model_products(model) -> tuple[list[torch.Tensor], int]:
-    """The weight of each matrix product of one (fused, as loaded) decoder layer, and the layer count."""
+def model_products(model) -> tuple[list[Projection], int]:
+    """Each matrix product of one (fused, as loaded) decoder layer, and the layer count."""
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight], len(model.model.layers)
+    return [attn.qkv, attn.o, mlp.gate_up, mlp.down], len(model.model.layers)
+
+
+def head_product(model) -> Projection:
+    """The output head's product, as the model runs it (packed where its layers are)."""
+    return model.head or Projection(model.output_weight(), None, pack=False)
 
 
 def gemm_seconds(model, rows: int, repeats: int = 9) -> tuple[float, float]:
-    """(seconds, FLOPs) of all matrix products of one forward of ``rows`` tokens."""
+    """(seconds, FLOPs) of all matrix products of one forward of ``rows`` tokens, each run by the
+    kernel the engine runs it with (prepacked weights where the model has them)."""
     per_layer, layers = model_products(model)
-    head = model.output_weight()
+    dtype, device = model.output_weight().dtype, model.output_weight().device
     seconds = flops = 0.0
-    for weight, count in [(w, layers) for w in per_layer] + [(head, 1)]:
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    for product, count in [(p, layers) for p in per_layer] + [(head_product(model), 1)]:
+        out_features, in_features = product.shape
+        x = torch.randn(rows, in_features, dtype=dtype, device=device)
         inner = max(1, 2000 // rows)
-        seconds += count * _median_seconds(lambda: F.linear(x, weight), repeats, inner)
-        flops += count * 2 * rows * weight.shape[0] * weight.shape[1]
+        seconds += count * _median_seconds(lambda: product(x), repeats, inner)
+        flops += count * 2 * rows * out_features * in_features
     return seconds, flops
 
 
 def weight_bytes(model) -> int:
     per_layer, layers = model_products(model)
-    return sum(layers * w.numel() * w.element_size() for w in per_layer) + \
-        model.output_weight().numel() * model.output_weight().element_size()
+    element = model.output_weight().element_size()
+    return element * (sum(layers * math.prod(p.shape) for p in per_layer) + model.output_weight().numel())
 
 
 def kv_bytes(config, element: int, samples: int, prompt: int, own: int) -> int:

@@ -1,5 +1,6 @@
 """The arithmetic of ``benchmarks/roofline.py``: what a step must read and compute at least."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def test_weights_are_every_product_of_every_layer_and_the_head_once():
     products, layers = roofline.model_products(model)
     assert layers == len(model.model.layers)
     per_layer = sum(p.numel() for name, p in model.model.layers[0].named_parameters() if "norm" not in name)
-    assert sum(w.numel() for w in products) == per_layer  # fused weights cover q, k, v, o, gate, up, down
+    assert sum(math.prod(p.shape) for p in products) == per_layer  # fused weights cover q, k, v, o, gate, up, down
     head = model.output_weight().numel()
     assert roofline.weight_bytes(model) == 4 * (layers * per_layer + head)
 
@@ -35,4 +36,4 @@ def test_gemm_seconds_counts_the_flops_of_one_forward():
         seconds, flops = roofline.gemm_seconds(model, 3, repeats=1)
     products, layers = roofline.model_products(model)
     assert seconds > 0
-    assert flops == 2 * 3 * (layers * sum(w.numel() for w in products) + model.output_weight().numel())
+    assert flops == 2 * 3 * (layers * sum(math.prod(p.shape) for p in products) + model.output_weight().numel())

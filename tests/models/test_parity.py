@@ -136,3 +136,30 @@ def test_samples_of_several_prompts_in_one_step(sample_prompt, split):
         rows = step(ours, cache, roots, trees, [len(t) for t in own], sample_prompt, lens, split)
     histories = [prompts[sample_prompt[b]] + own[b] + [roots[b]] for b in range(3)]
     assert_nodes_match_paths(hf, rows, histories, trees)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,overrides", [CASES["llama-untied-bias"], ("qwen2", {})], ids=["llama-bias", "qwen2"])
+def test_packed_weights_compute_the_same_products_and_give_back_the_checkpoint(kind, overrides, dtype):
+    """Prepacked products (the CPU default) against plain ones on the same weights: the same
+    logits within rounding (the two kernels may sum in another order), a state_dict equal to the
+    checkpoint's tensors, and the plain copies of the packed weights released."""
+    from multispec.models.llama import packing_available
+
+    if not packing_available(dtype, "cpu"):
+        pytest.skip(f"this CPU's matrix library cannot pack {dtype}")
+    hf, _ = tiny(kind, **overrides)
+    tensors = {k: v.to(dtype) for k, v in hf.state_dict().items()}
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    packed = LlamaForCausalLM.from_tensors(config, tensors, dtype)
+    plain = LlamaForCausalLM.from_tensors(config, tensors, dtype, pack=False)
+    assert packed.packed and not plain.packed
+    assert packed.model.layers[0].self_attn.q_proj.weight.is_meta  # one copy of the weights, the packed one
+    ids = torch.randint(0, config.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        got = prefill(packed, new_cache(packed, prompt_capacity=16), ids)
+        want = prefill(plain, new_cache(plain, prompt_capacity=16), ids)
+    assert torch.allclose(got, want, atol=1e-4 if dtype == torch.float32 else 3e-2)
+    state = packed.state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(state[name], value), name
