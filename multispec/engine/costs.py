@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 1
-"""Version of the measurement and its file; a change re-measures."""
+FORMAT = 2
+"""Version of the measurement and its file; a change re-measures (2: steps got cheaper with
+prepacked weights, so prices measured before are stale)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
 PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
