@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from multispec.models.config import ModelConfig
-from multispec.models.llama import DecoderLayer, LlamaForCausalLM
+from multispec.models.llama import DecoderLayer, LlamaForCausalLM, Projection, packing_available
 
 FORMAT = "multispec-draft-head-1"
 MAX_DEPTH = 16
@@ -129,6 +129,11 @@ class DraftHead(nn.Module):
         # neither parameters nor saved.
         self.embedding: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
+        # Loaded for inference on a CPU whose matrix library packs weights: fc, the layer's
+        # products and the output rows run packed (see ``multispec.models.llama.Projection``).
+        self.packed = False
+        self.fc_product: Projection | None = None
+        self.output_product: Projection | None = None
 
     def attach(self, target: LlamaForCausalLM) -> DraftHead:
         """Share the target's embedding and take its output rows of ``vocab_ids`` (not stored)."""
@@ -140,13 +145,16 @@ class DraftHead(nn.Module):
                              f"the target has {target.config.vocab_size}")
         self.embedding = target.model.embed_tokens.weight.detach()
         self.output = target.output_weight().detach()[self.vocab_ids].to(self.fc.weight.dtype)
+        if self.packed:
+            self.output_product = Projection(self.output, None, pack=True)
         return self
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, attention) -> torch.Tensor:
         """Predicted target features after ``tokens`` (each following the feature beside it),
         for nodes at path position ``depth`` (0: the root)."""
         dtype = self.fc.weight.dtype
-        x = self.fc(torch.cat([features.to(dtype), F.embedding(tokens, self.embedding).to(dtype)], -1))
+        x = torch.cat([features.to(dtype), F.embedding(tokens, self.embedding).to(dtype)], -1)
+        x = self.fc_product(x) if self.fc_product is not None else self.fc(x)
         cos = self.rope_cos[depth].to(x.dtype).expand(x.shape[0], -1)
         sin = self.rope_sin[depth].to(x.dtype).expand(x.shape[0], -1)
         return self.layer(x, cos, sin, attention)
@@ -164,6 +172,8 @@ class DraftHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over ``vocab_ids`` (float32)."""
+        if self.output_product is not None:
+            return self.output_product(features.to(self.output.dtype)).float()
         return F.linear(features.to(self.output.dtype), self.output).float()
 
     def decide(self, stats: torch.Tensor) -> torch.Tensor:
@@ -206,8 +216,13 @@ class DraftHead(nn.Module):
         for p in floats:
             p.data = p.data.to(dtype)
         head = head.to(device).eval()
-        head.layer.self_attn.fuse()  # one matrix product for q/k/v and one for gate/up, as the target's
-        head.layer.mlp.fuse()
+        # One matrix product for q/k/v and one for gate/up, as the target's; packed where the
+        # CPU's library can (a loaded head only drafts, it is never trained further).
+        head.packed = packing_available(dtype, device)
+        head.layer.self_attn.fuse(head.packed)
+        head.layer.mlp.fuse(head.packed)
+        if head.packed:
+            head.fc_product = Projection(head.fc.weight.detach(), None, pack=True)
         return head
 
 

@@ -344,3 +344,37 @@ def test_hybrid_merges_shared_prefixes_and_keeps_the_likeliest_paths():
 def test_hybrid_refuses_sampled_drafts():
     with pytest.raises(ValueError, match="sampled_drafts"):
         SpecConfig(drafter="hybrid", sampled_drafts=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_head_drafts_the_same_packed_or_plain(llm, dtype, monkeypatch):
+    """A head loaded for drafting runs its products on packed weights where the CPU can; its
+    features and logits must equal those of the same head on plain weights (within rounding),
+    and the packed head still saves the tensors it was loaded from."""
+    import multispec.models.draft_head as draft_head
+    from multispec.models import DEFAULT_MODEL, paired_draft_head
+    from multispec.models.draft_head import PathAttention
+    from multispec.models.llama import packing_available
+
+    if not packing_available(dtype, "cpu"):
+        pytest.skip(f"this CPU's matrix library cannot pack {dtype}")
+    path = paired_draft_head(DEFAULT_MODEL)
+    packed = DraftHead.load(path, dtype).attach(llm.model)
+    monkeypatch.setattr(draft_head, "packing_available", lambda *_: False)
+    plain = DraftHead.load(path, dtype).attach(llm.model)
+    assert packed.packed and not plain.packed
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(5, llm.config.hidden_size, generator=gen)
+    tokens = torch.randint(0, llm.config.vocab_size, (5,), generator=gen)
+    outputs = []
+    with torch.inference_mode():
+        for head in (packed, plain):
+            attention, x = PathAttention(), features
+            for depth in range(3):
+                x = head.step(x, tokens, depth, attention)
+            outputs.append(head.logits(x))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-3 if dtype == torch.float32 else 0.15)
+    assert torch.equal(outputs[0].argmax(-1), outputs[1].argmax(-1))
+    saved = packed.state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(saved[name], value), name
