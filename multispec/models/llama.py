@@ -157,10 +157,8 @@ def _fuse(owner: nn.Module, *linears: nn.Linear, pack: bool) -> Projection:
     values kept). Packed, the product holds the only copy of the weights: the layers' weights move
     to the meta device (shape kept, memory released) and ``state_dict`` reads them back from the
     packed copy."""
-    weight = torch.cat([layer.weight.detach() for layer in linears]) if len(linears) > 1 else linears[0].weight.detach()
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([layer.bias.detach() for layer in linears]) if len(linears) > 1 else linears[0].bias.detach()
+    weight = torch.cat([layer.weight.detach() for layer in linears])
+    bias = torch.cat([layer.bias.detach() for layer in linears]) if linears[0].bias is not None else None
     product = Projection(weight, bias, pack)
     start = 0
     for layer in linears:
