@@ -16,7 +16,10 @@ batched, at temperature 0.7 and 1.0. Rows:
 - consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
   and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
   nodes every step: the hybrid against its parts;
-- hybrid: SpecConfig(drafter="hybrid", num_candidates=2) with the adaptive budget.
+- hybrid: SpecConfig(drafter="hybrid", num_candidates=2) with the adaptive budget;
+- lm-w1, lm-w2: with ``--draft-checkpoint`` (a causal LM sharing the model's tokenizer: a
+  directory, a .gguf or a known name), that model drafting with its own KV cache, 1 or 2
+  candidates, chains of ``--depth``, every step at full depth.
 
 Columns: tau (tokens per sample per forward), acceptance, tokens/s, speedup over none in the same
 run (median over ``--runs`` runs), the share of a step spent drafting and in the head's forwards.
@@ -24,6 +27,7 @@ run (median over ``--runs`` runs), the share of a step spent drafting and in the
     python benchmarks/bench_draft_model.py                        # all cells, 2 questions each
     python benchmarks/bench_draft_model.py --cells 0 --runs 3     # one request of 4 at a time, median of 3
     python benchmarks/bench_draft_model.py --rows model-w2,model-auto --temperatures 0.7
+    python benchmarks/bench_draft_model.py --rows lm-w1 --draft-checkpoint smollm2-135m-instruct --depth 3
 """
 
 from __future__ import annotations
@@ -44,10 +48,10 @@ CELLS = [  # (questions, n, one request at a time)
     (4, 16, False),
 ]
 ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto",
-        "consensus-fixed", "hybrid-fixed", "hybrid")
+        "consensus-fixed", "hybrid-fixed", "hybrid", "lm-w1", "lm-w2")
 
 
-def configs(depth: int):
+def configs(depth: int, checkpoint: str | None = None):
     from multispec import SpecConfig
 
     fixed = dict(drafter="model", max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
@@ -62,16 +66,20 @@ def configs(depth: int):
                                           adaptive=False),
             "hybrid-fixed": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2, adaptive=False,
                                        decision_threshold=0.0),
-            "hybrid": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2)}
+            "hybrid": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2),
+            **({} if checkpoint is None else {
+                f"lm-w{w}": SpecConfig(drafter="model", draft_model=checkpoint, num_candidates=w,
+                                       max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
+                for w in (1, 2)})}
 
 
 def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: bool, rows, runs: int, depth: int,
-             max_tokens: int) -> dict:
+             max_tokens: int, checkpoint: str | None = None) -> dict:
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
     conversations = [p.chat() for p in load_gsm8k(limit=questions)]
-    specs = configs(depth)
+    specs = configs(depth, checkpoint)
     results: dict[str, list[dict]] = {}
     for run in range(runs):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
@@ -104,11 +112,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_draft_model.json"))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-checkpoint", help="a causal LM drafting for the model (rows lm-w1, lm-w2)")
     args = parser.parse_args()
     rows = list(ROWS) if args.rows is None else ["none"] + [r for r in args.rows.split(",") if r != "none"]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
+    if args.rows is None and args.draft_checkpoint is None:
+        rows = [r for r in rows if not r.startswith("lm-")]
+    if any(r.startswith("lm-") for r in rows) and args.draft_checkpoint is None:
+        sys.exit("rows lm-w1 and lm-w2 need --draft-checkpoint")
     cells = CELLS if args.cells is None else [CELLS[int(i)] for i in args.cells.split(",")]
     from multispec import LLM
 
@@ -120,7 +133,7 @@ def main() -> None:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for questions, n, one_at_a_time in cells:
             summary = run_cell(llm, questions, n, temperature, one_at_a_time, rows, args.runs, args.depth,
-                               args.max_tokens)
+                               args.max_tokens, args.draft_checkpoint)
             table.append({"questions": questions, "n": n, "one_at_a_time": one_at_a_time,
                           "temperature": temperature, "rows": summary})
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

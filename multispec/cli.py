@@ -52,12 +52,15 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
                         help="default: max-draft-tokens x num-candidates")
     parser.add_argument("--scheme", default="auto", choices=SCHEMES)
     parser.add_argument("--draft-model", default=None,
-                        help="drafter 'model': a draft head file (default: the head paired with the model)")
+                        help="drafter 'model' or 'hybrid': a draft head file (default: the head paired with the "
+                             "model), or a causal LM sharing the model's tokenizer (checkpoint directory, .gguf or "
+                             "known name)")
     parser.add_argument("--num-candidates", type=int, default=1,
                         help="drafter 'model': candidates drawn at the root, each extended as a chain")
     parser.add_argument("--decision-threshold", type=float, default=None,
-                        help="drafter 'model': stop a chain below this predicted acceptance (default: the "
-                             "head's own; 0: full depth)")
+                        help="drafter 'model': stop a chain below this predicted acceptance (a head's decision "
+                             "model; a draft LM's confidence in its next token) (default: the head's own; 0: full "
+                             "depth)")
     parser.add_argument("--sampled-drafts", action="store_true", help="sample drafts and verify with multi-draft schemes")
     parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
 

@@ -14,7 +14,7 @@ from enum import Enum
 from numbers import Integral, Real
 
 HEAD_DRAFTERS = ("model", "hybrid")
-"""Drafters that draft with a draft head (``SpecConfig.draft_model``)."""
+"""Drafters that draft with a draft model, a head or an LM (``SpecConfig.draft_model``)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as in vLLM): a smaller one would overflow the softmax."""
 SEED_RANGE = (-(1 << 63), 1 << 64)
@@ -115,12 +115,15 @@ class SpecConfig:
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
 
-    ``drafter="model"`` drafts with a draft head over the target's features (``"hybrid"``: merged
-    with consensus's sibling drafts, verified deterministically): ``draft_model`` is
-    the head's file (None: the head the registry pairs with the target), ``num_candidates`` the
-    candidates drawn at the root, each extended as a chain up to ``max_draft_tokens``;
-    ``decision_threshold`` stops a chain where the head's decision model gives its next token less
-    chance of acceptance (None: the head's recommended threshold, 0: always the full depth).
+    ``drafter="model"`` drafts with a draft model (``"hybrid"``: merged with consensus's sibling
+    drafts, verified deterministically). ``draft_model`` is a draft head file over the target's
+    features (None: the head the registry pairs with the target), or a causal LM that shares the
+    target's tokenizer (a checkpoint directory, a ``.gguf`` file or a known model name), run with
+    its own KV cache. ``num_candidates`` candidates are drawn at the root, each extended as a chain
+    up to ``max_draft_tokens``; ``decision_threshold`` stops a chain where its next token's predicted
+    chance of acceptance (a head's decision model; a draft LM's probability of its likeliest next
+    token) falls below it (None: the head's recommended threshold, none for a draft LM; 0: always
+    the full depth).
     ``max_draft_nodes`` defaults to ``max_draft_tokens * num_candidates``.
     """
 

@@ -20,7 +20,7 @@ DRAFTERS: dict[str, type] = {
     "none": NoDrafter,  # plain decoding through the same step
     "consensus": ConsensusDrafter,  # the sibling samples draft for each other
     "ngram": NgramDrafter,  # prompt lookup over the sample's own text
-    "model": ModelDrafter,  # a draft head over the target's features proposes candidate trees
+    "model": ModelDrafter,  # a draft head over the target's features, or a draft LM, proposes candidate trees
     "hybrid": HybridDrafter,  # consensus and the draft head in one tree, verified deterministically
 }
 
@@ -34,7 +34,7 @@ def _registered(kind: str) -> type:
 def make_drafter(kind: str, **options) -> Drafter:
     """A drafter by registered name. Options: ``vocab_size``, ``max_depth``, ``max_nodes``, and as the
     drafter uses them ``sampled``, ``aggregate``, ``max_ngram``, ``min_ngram``, ``num_drafts``,
-    ``alternatives``, ``head``, ``num_candidates``, ``temperature``, ``scheme``, ``decision_threshold``
+    ``alternatives``, ``draft`` (a draft head or a ``DraftLM``), ``num_candidates``, ``temperature``, ``scheme``, ``decision_threshold``
     (see each class)."""
     return _registered(kind).create(**options)
 

@@ -25,6 +25,7 @@ import torch
 
 from multispec.drafters.base import DraftTree
 from multispec.models.draft_head import DraftHead, PathAttention, decision_stats
+from multispec.models.draft_lm import DraftLM
 from multispec.verify.schemes import IID, WITHOUT_REPLACEMENT, DraftLaw
 
 IID_SCHEMES = frozenset({"specinfer", "spectr", "canonical_lp", "canonical_wis"})
@@ -55,6 +56,9 @@ class ModelDrafter:
         self.threshold = threshold
         self.copied = copied
         self.vocab_size = head.config.target_vocab_size
+        self.vocab_ids = head.vocab_ids
+        """The target's token id of each column of q (the head drafts from its own short list)."""
+        self.device = head.vocab_ids.device
         self.features: dict[int, torch.Tensor] = {}
         self.last_token: dict[int, int] = {}
         self.model_time = 0.0
@@ -62,12 +66,23 @@ class ModelDrafter:
         self.model_forwards = 0
 
     @classmethod
-    def create(cls, *, head: DraftHead | None = None, max_depth: int, max_nodes: int, num_candidates: int = 1,
-               temperature: float = 1.0, scheme: str = "auto", decision_threshold: float | None = None,
-               **_) -> ModelDrafter:
-        if head is None:
-            raise ValueError("drafter='model' needs a draft model: give SpecConfig(draft_model=...) a draft head file, "
-                             "or use a target that has one paired in the registry")
+    def create(cls, *, draft=None, head: DraftHead | None = None, max_depth: int, max_nodes: int,
+               num_candidates: int = 1, temperature: float = 1.0, scheme: str = "auto",
+               decision_threshold: float | None = None, **_) -> ModelDrafter:
+        """``draft``: a ``DraftHead`` (attached to the target), or a ``DraftLM`` (a causal LM
+        checkpoint, drafted by ``CheckpointDrafter``); ``head`` is the same for a head."""
+        draft = draft if draft is not None else head
+        if draft is None:
+            raise ValueError("drafter='model' needs a draft model: give SpecConfig(draft_model=...) a draft head file "
+                             "or a causal LM checkpoint, or use a target that has a head paired in the registry")
+        if isinstance(draft, DraftLM):
+            from multispec.drafters.checkpoint import CheckpointDrafter
+
+            return CheckpointDrafter(draft=draft, max_depth=max_depth, max_nodes=max_nodes,
+                                     num_candidates=num_candidates, temperature=temperature,
+                                     replacement=candidates_with_replacement(scheme),
+                                     threshold=decision_threshold or 0.0)
+        head = draft
         threshold = head.config.threshold if decision_threshold is None else decision_threshold
         return cls(head=head, max_depth=max_depth, max_nodes=max_nodes, num_candidates=num_candidates,
                    temperature=temperature, replacement=candidates_with_replacement(scheme), threshold=threshold)
@@ -116,8 +131,7 @@ class ModelDrafter:
         return trees
 
     def _draft(self, sample_ids: list[int], budgets: list[int], uniforms) -> list[DraftTree]:
-        head = self.head
-        device = head.output.device
+        device = self.device
         greedy = self.copied or self.temperature == 0 or uniforms is None
         count = len(sample_ids)
         width = [max(1, min(self.width, b, self.max_nodes)) for b in budgets]
@@ -125,11 +139,7 @@ class ModelDrafter:
         u = None if greedy else torch.tensor([list(x[: self.width * self.max_depth]) + [0.5] * max(
             0, self.width * self.max_depth - len(x)) for x in uniforms], dtype=torch.float32, device=device)
 
-        features = torch.stack([self.features[s] for s in sample_ids]).to(device)
-        roots = torch.tensor([self.last_token[s] for s in sample_ids], device=device)
-        attention = PathAttention()
-        states = head.step(features, roots, 0, attention)
-        probs = self._probs(head.logits(states))
+        probs = self._root_probs(sample_ids)
         self.model_forwards += 1
 
         # Depth 1: W candidates per sample from the root's q.
@@ -143,22 +153,19 @@ class ModelDrafter:
         levels = [(node_sample, node_pick, probs[node_sample], None)]  # q rows: the distribution drawn from
         chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
         depth_of = torch.tensor(depth, device=device)
-        # The head's calls of the previous depth: their states, path keys, and the row each
-        # frontier node continues.
-        parent_rows, prev_states = node_sample, states
+        # The row of the previous forward (of the root, then of each depth) each frontier node continues.
+        parent_rows = node_sample
         d = 1
         while True:
             grow = torch.nonzero(depth_of[node_sample] > d)[:, 0]
             if grow.numel() == 0:
                 break
-            # The head's state at each growing node gives its child's distribution.
-            attention = attention.children(parent_rows[grow])
-            states = head.step(prev_states[parent_rows[grow]], head.vocab_ids[node_pick[grow]], d, attention)
-            child_probs = self._probs(head.logits(states))
+            # The draft's state at each growing node gives its child's distribution.
+            child_probs = self._child_probs(parent_rows[grow], node_sample[grow], node_pick[grow], d)
             self.model_forwards += 1
             keep = torch.arange(grow.numel(), device=device)
             if self.threshold > 0:
-                score = head.decide(decision_stats(torch.full_like(grow, d), node_prob[grow], child_probs))
+                score = self._decide(d, node_prob[grow], child_probs)
                 keep = torch.nonzero(score >= self.threshold)[:, 0]
                 if keep.numel() == 0:
                     break
@@ -169,9 +176,35 @@ class ModelDrafter:
             levels.append((node_sample[rows], child, child_probs[keep], rows))
             node_sample, chain, node_pick = node_sample[rows], chain[rows], child
             node_prob = child_probs[keep].gather(1, child[:, None])[:, 0]
-            parent_rows, prev_states = keep, states
+            parent_rows = keep
             d += 1
         return self._trees(count, levels, greedy)
+
+    def _decide(self, depth: int, node_prob: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
+        """Predicted chance that each growing node's child is accepted given the node is: the
+        head's decision model. It reads only the drafts' own q, so stopping on it never changes
+        the law of what was drafted."""
+        return self.head.decide(decision_stats(torch.full((node_prob.numel(),), depth, device=node_prob.device),
+                                               node_prob, child_probs))
+
+    def _root_probs(self, sample_ids: list[int]) -> torch.Tensor:
+        """q of each sample's first draft token ``[count, K]``: the head's step from the target's
+        feature and the root token. Starts the paths the next depths extend."""
+        head = self.head
+        features = torch.stack([self.features[s] for s in sample_ids]).to(self.device)
+        roots = torch.tensor([self.last_token[s] for s in sample_ids], device=self.device)
+        self._attention = PathAttention()
+        self._states = head.step(features, roots, 0, self._attention)
+        return self._probs(head.logits(self._states))
+
+    def _child_probs(self, rows: torch.Tensor, samples: torch.Tensor, picks: torch.Tensor, depth: int) -> torch.Tensor:
+        """q of the children of nodes at ``depth`` ``[N, K]``: node i continues row ``rows[i]`` of
+        the previous call, belongs to sample ``samples[i]`` (of this call's samples) and is the
+        token ``vocab_ids[picks[i]]``."""
+        head = self.head
+        self._attention = self._attention.children(rows)
+        self._states = head.step(self._states[rows], head.vocab_ids[picks], depth, self._attention)
+        return self._probs(head.logits(self._states))
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
@@ -199,7 +232,7 @@ class ModelDrafter:
 
     def _trees(self, count: int, levels, greedy: bool) -> list[DraftTree]:
         """Assemble per-sample trees (depth by depth, so parents come first) with full-vocabulary q rows."""
-        head = self.head
+        vocab_ids = self.vocab_ids
         samples, tokens, rows_q, parents = [], [], [], []
         level_local = []  # per level: each node's local index within its sample's tree
         counts = [0] * count
@@ -216,7 +249,7 @@ class ModelDrafter:
                 parents.extend(previous[r] for r in parent_of.tolist())
             level_local.append(local)
             samples.extend(sample_list)
-            tokens.extend(head.vocab_ids[pick].tolist())
+            tokens.extend(vocab_ids[pick].tolist())
             rows_q.append(q)
         per_sample_nodes: list[list[int]] = [[] for _ in range(count)]
         for n, s in enumerate(samples):
@@ -229,7 +262,7 @@ class ModelDrafter:
             q_small = torch.cat(rows_q)
             order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=q_small.device)
             q_full = torch.zeros(order.numel(), self.vocab_size, dtype=torch.float32, device=q_small.device)
-            q_full.index_copy_(1, head.vocab_ids, q_small[order])
+            q_full.index_copy_(1, vocab_ids, q_small[order])
             q_split = q_full.split([len(n) for n in per_sample_nodes])
         trees = []
         for s, nodes in enumerate(per_sample_nodes):

@@ -59,6 +59,15 @@ class StepLayout:
     prompt_slot: torch.Tensor     # [B] prompt slot of each sample
     prompt_len: torch.Tensor      # [B] prompt length of each sample
     tree_mask: torch.Tensor       # [B, Qmax, Qmax] bool
+    slots: torch.Tensor | None = None
+    """[B] the sample slot each sample lives in; None: sample b in slot b (the engine's packed
+    slots, read in place)."""
+    scratch: torch.Tensor | None = None
+    """[B] how many of the positions right before ``written[b]`` are draft nodes of this step
+    rather than the sample's text (a draft model's tree, written one depth a forward); None: none."""
+    scratch_mask: torch.Tensor | None = None
+    """[B, Qmax, Smax] bool: which of those draft positions (oldest first) each new token sees
+    (its ancestors); the rest of the cache is seen whole."""
 
 
 def split_step(batch: int, qmax: int, drafting: int, tokens: int) -> bool:
@@ -99,16 +108,17 @@ class DecodeAttention:
         row_sample = torch.repeat_interleave(torch.arange(batch), counts)
         row_index = torch.arange(total) - offsets[row_sample]
         device = cache.sample_k.device
-        self.row_sample = row_sample.to(device)
+        in_place = layout.slots is None
+        self.row_sample = (row_sample if in_place else layout.slots[row_sample]).to(device)
         self.row_cache_pos = (layout.written[row_sample] + row_index).to(device)
         drafting = torch.nonzero(counts > 1).flatten()
         if split is None:
             split = split_step(batch, self.qmax, drafting.numel(), total)
         if split and 0 < drafting.numel() < batch:
-            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=True),
+            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=in_place),
                           _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, contiguous=False)]
         else:
-            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, contiguous=True)]
+            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, contiguous=in_place)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
@@ -126,7 +136,8 @@ class _Part:
     """Query rows ``first .. first + width - 1`` of each of some samples, attended as one batch.
 
     Rows past a sample's own count are padding: they see key 0 only (a finite softmax) and are
-    dropped. ``contiguous``: the members are samples 0..B-1, whose caches are read in place.
+    dropped. ``contiguous``: the members are samples 0..B-1 in slots 0..B-1, whose caches are
+    read in place; otherwise their slots are gathered.
     """
 
     def __init__(self, cache: KVCache, layout: StepLayout, offsets: torch.Tensor, members: torch.Tensor,
@@ -134,6 +145,7 @@ class _Part:
         self.cache = cache
         self.contiguous = contiguous
         self.members = members
+        self.member_slots = members if layout.slots is None else layout.slots[members]
         size = members.numel()
         self.size, self.width = size, width
         counts = layout.counts[members]
@@ -156,7 +168,15 @@ class _Part:
         rel_clamped = rel.clamp(0, layout.tree_mask.shape[1] - 1)
         tree = layout.tree_mask[members][:, first: first + width]           # [P, W, Qmax]
         tree = torch.gather(tree, 2, rel_clamped[:, None, :].expand(size, width, self.key_len))
-        visible = old[:, None, :] | (new[:, None, :] & tree)                # [P, W, K]
+        seen_old = old[:, None, :]
+        if layout.scratch is not None:  # this step's earlier draft nodes: only the ancestors
+            drafted = rel + layout.scratch[members][:, None]                # index among them
+            in_scratch = old & (drafted >= 0)
+            ancestors = layout.scratch_mask[members][:, first: first + width]  # [P, W, Smax]
+            ancestors = torch.gather(ancestors, 2, drafted.clamp(0, ancestors.shape[2] - 1)[:, None, :].expand(
+                size, width, self.key_len))
+            seen_old = seen_old & (~in_scratch[:, None, :] | ancestors)
+        visible = seen_old | (new[:, None, :] & tree)                       # [P, W, K]
         visible[:, :, 0] |= ~real
         # As an additive mask [P, 1, G*W, K], rows in the order attend lays queries out (query
         # head within its kv group, then draft row); none where every key is visible.
@@ -200,8 +220,8 @@ class _Part:
             if self.prompt_mask is not None:
                 self.prompt_mask = self.prompt_mask[self.sample_group]
         device = cache.sample_k.device
-        for name in ("members", "member_of", "index_of", "rows", "sample_group", "sample_member", "group_slots",
-                     "prompt_mask", "own_mask"):
+        for name in ("members", "member_slots", "member_of", "index_of", "rows", "sample_group", "sample_member",
+                     "group_slots", "prompt_mask", "own_mask"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -230,8 +250,8 @@ class _Part:
             own_k = cache.sample_k[layer, :size, :, : self.key_len]
             own_v = cache.sample_v[layer, :size, :, : self.key_len]
         else:
-            own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.members)
-            own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.members)
+            own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.member_slots)
+            own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.member_slots)
         own_out, own_lse = self.kernel(q_rows, own_k, own_v, self.own_mask)    # [P, kvh, G*W, D], [P, kvh, G*W]
 
         # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.

@@ -82,6 +82,26 @@ class KVCache:
         self._prompt_ready = [0] * shape.prompt_slots
         self._sample_ready = [0] * shape.sample_slots
 
+    def grown(self, sample_capacity: int) -> KVCache:
+        """A cache of the same slots with room for ``sample_capacity`` tokens per sample slot,
+        holding this one's contents (for owners that size their cache as they go, such as a draft
+        model's per-prompt cache)."""
+        shape = self.shape
+        bigger = CacheShape(shape.sample_slots, sample_capacity, shape.prompt_slots, shape.prompt_capacity)
+        cache = KVCache(self.config, bigger.tokens(), self.k_store.dtype, self.k_store.device)
+        cache.layout(bigger)
+        # Everything this cache holds is made finite first, so that all of it can be copied.
+        self.ready(shape.sample_slots, shape.sample_capacity, list(range(shape.prompt_slots)), shape.prompt_capacity)
+        for mine, theirs in ((cache.prompt_k, self.prompt_k), (cache.prompt_v, self.prompt_v)):
+            mine.copy_(theirs)
+        old = shape.sample_capacity
+        cache.sample_k[:, :, :, :old] = self.sample_k
+        cache.sample_v[:, :, :, :old] = self.sample_v
+        cache.free_prompt_slots = list(self.free_prompt_slots)
+        cache._prompt_ready = [shape.prompt_capacity] * shape.prompt_slots
+        cache._sample_ready = [old] * shape.sample_slots
+        return cache
+
     def take_prompt_slot(self) -> int:
         return self.free_prompt_slots.pop()
 

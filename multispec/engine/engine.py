@@ -33,8 +33,10 @@ from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import Step, Verified, commit, most_likely, pack, position_keys, sampling_rows, verify
 from multispec.engine.sampler import target_probs
 from multispec.models.draft_head import DraftHead
+from multispec.models.draft_lm import DraftLM, check_window, is_checkpoint, load_draft_lm
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import default_cache_dir
+from multispec.models.registry import known_models, resolve_model
 from multispec.models.tokenizer import Tokenizer
 from multispec.params import HEAD_DRAFTERS, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
 from multispec.verify.sampling import sample_key, sample_rows
@@ -103,6 +105,7 @@ class LLMEngine:
         self._changed: dict[str, Request] = {}
         self._next_sample_id = 0
         self._heads: dict[Path, DraftHead] = {}
+        self._draft_lms: dict[Path, DraftLM] = {}
         self._scratch: KVCache | None = None
 
     # ------------------------------------------------------------------ requests
@@ -142,11 +145,13 @@ class LLMEngine:
         spec = spec or self.default_spec
         spec.check()
         spec.check_temperature(params.temperature)
-        if spec.speculates and spec.drafter in HEAD_DRAFTERS:
-            self.draft_head(spec.draft_model)
         eos = frozenset(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(ids))
+        if spec.speculates and spec.drafter in HEAD_DRAFTERS:
+            draft = self.draft_model(spec.draft_model)
+            if isinstance(draft, DraftLM):
+                check_window(draft, len(ids) + max_tokens, subject)
         draft = spec.max_draft_nodes if spec.speculates else 0
         request = Request(request_id, prompt, [int(t) for t in ids], params, spec, max_tokens,
                           params.seed if params.seed is not None else secrets.randbits(64), stop_ids, eos, output_kind,
@@ -242,10 +247,27 @@ class LLMEngine:
         lane = self.lanes.get(request.lane)
         if lane is None:
             spec = request.spec
-            head = self.draft_head(spec.draft_model) if spec.speculates and spec.drafter in HEAD_DRAFTERS else None
+            draft = self.draft_model(spec.draft_model) if spec.speculates and spec.drafter in HEAD_DRAFTERS else None
             lane = self.lanes[request.lane] = Lane(spec, self.vocab_size, self.prices,
-                                                   temperature=request.params.temperature, head=head)
+                                                   temperature=request.params.temperature, draft=draft)
         return lane
+
+    def draft_model(self, name: str | None = None) -> DraftHead | DraftLM:
+        """What ``SpecConfig.draft_model`` names, loaded once: a causal LM checkpoint (a registered
+        name, a checkpoint directory or a GGUF file) that shares the target's tokenizer, or else a
+        draft head file (None: the head paired with the model); a ValueError says why it cannot
+        draft for this model."""
+        if name is not None and not Path(name).expanduser().exists() and not is_checkpoint(name):
+            raise ValueError(f"draft_model={name!r} not found: give a draft head file, a checkpoint directory, a "
+                             f".gguf file or a known model name ({', '.join(known_models())})")
+        if name is None or not is_checkpoint(name):
+            return self.draft_head(name)
+        key = Path(resolve_model(name)).expanduser().resolve()
+        draft = self._draft_lms.get(key)
+        if draft is None:
+            draft = load_draft_lm(name, self.model, self.tokenizer, self.config.model_name, self.config.cache_dir)
+            self._draft_lms[key] = draft
+        return draft
 
     def draft_head(self, path: str | None = None) -> DraftHead:
         """The draft head at ``path`` (None: the one paired with the model), loaded once, in the

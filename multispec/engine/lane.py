@@ -30,16 +30,17 @@ def lane_key(spec: SpecConfig, request_params) -> tuple:
 
 class Lane:
     def __init__(self, spec: SpecConfig, vocab_size: int, prices: Callable[[], Prices] | None = None, *,
-                 temperature: float = 1.0, head=None):
+                 temperature: float = 1.0, draft=None):
         """``prices`` gives the engine's step prices; asked only by a lane whose budget adapts
         (the engine may measure them then, once). ``temperature``: the lane's sampling temperature
-        (a draft model drafts at it); ``head``: the draft head of a ``drafter="model"`` lane."""
+        (a draft model drafts at it); ``draft``: the draft head or draft LM of a ``drafter="model"``
+        or ``"hybrid"`` lane."""
         self.spec = spec
         self.law: DraftLaw | None = spec.draft_law
         self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
                                     max_depth=spec.max_draft_tokens, max_nodes=spec.max_draft_nodes,
                                     sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
-                                    min_ngram=spec.min_ngram, head=head, num_candidates=spec.num_candidates,
+                                    min_ngram=spec.min_ngram, draft=draft, num_candidates=spec.num_candidates,
                                     temperature=temperature, scheme=spec.scheme,
                                     decision_threshold=spec.decision_threshold)
         self.sampled = bool(self.drafter.sampled)

@@ -48,7 +48,7 @@ def load_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Ch
     if path.is_dir():
         return _load_hf_dir(path)
     if path.is_file():
-        if not _is_gguf(path):
+        if not is_gguf(path):
             raise ValueError(f"{path} is neither a checkpoint directory nor a GGUF file")
         return _load_hf_dir(_converted_gguf(path, _cache_root(cache_dir)))
     raise ValueError(f"checkpoint not found: {path}")
@@ -70,7 +70,7 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     with path.open("rb") as f:
         return f.read(4) == _GGUF_MAGIC
 

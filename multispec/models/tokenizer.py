@@ -93,6 +93,10 @@ class Tokenizer:
         """
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token text and its id (added tokens included)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

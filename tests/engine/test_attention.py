@@ -43,3 +43,45 @@ def test_devices_without_the_fused_kernel_get_the_reference():
     if _FLASH_CPU is not None:
         assert kernel_for(torch.device("cpu")) is _fused_kernel
 
+
+
+def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
+    """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
+    living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
+    drafted nodes its mask names and itself, against attention written out key by key."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from multispec.engine.cache import CacheShape, KVCache
+    from multispec.models.config import ModelConfig
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
+                         eos_token_ids=[])
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(config, 3 * 12 + 5, torch.float32)
+    cache.layout(CacheShape(3, 12, 1, 5))
+    for store in (cache.prompt_k, cache.prompt_v, cache.sample_k, cache.sample_v):
+        store.copy_(torch.randn(store.shape, generator=gen))
+    slots, written, scratch, counts = [2, 0], [6, 4], [3, 2], [2, 1]
+    sees = torch.zeros(2, 2, 3, dtype=torch.bool)
+    sees[0, 0, [0, 2]] = True
+    sees[0, 1, 1] = True
+    sees[1, 0, 1] = True
+    layout = StepLayout(counts=torch.tensor(counts), written=torch.tensor(written),
+                        prompt_slot=torch.zeros(2, dtype=torch.long), prompt_len=torch.tensor([5, 5]),
+                        tree_mask=torch.eye(2, dtype=torch.bool).expand(2, 2, 2).clone(), slots=torch.tensor(slots), scratch=torch.tensor(scratch), scratch_mask=sees)
+    q = torch.randn(3, 4, 8, generator=gen)
+    k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    out = DecodeAttention(cache, layout).attend(0, q, k, v)
+    row = 0
+    for b, (slot, w, s, c) in enumerate(zip(slots, written, scratch, counts)):
+        for i in range(c):
+            own = list(range(w - s)) + [w - s + j for j in range(s) if sees[b, i, j]] + [w + i]
+            keys = torch.cat([cache.prompt_k[0, 0], cache.sample_k[0, slot][:, own]], 1)    # [kvh, K, D]
+            values = torch.cat([cache.prompt_v[0, 0], cache.sample_v[0, slot][:, own]], 1)
+            assert torch.equal(cache.sample_k[0, slot][:, w + i], k[row])  # the new keys were written in place
+            for h in range(4):
+                weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
+                assert torch.allclose(out[row, h], weights @ values[h // 2], atol=1e-5)
+            row += 1
