@@ -49,15 +49,27 @@ choice taken whenever the estimate says "gain" takes every overestimate with it:
 drafting barely pays on paper are lost on average. The margin keeps the budget at plain speed
 there and costs nothing where drafts pay well."""
 IDLE_STEPS = 8
-"""Steps in a row that kept no draft node, after which the drafter is asked only every
-``PROBE_EVERY``-th step until a step keeps one again. Where a forward is compute-bound (large
-batches on a CPU) the budget keeps nothing for long stretches, and building every sample's draft
-tree each step to throw it away cost 2-4% of the step; probing keeps the budget's answer current
-at a quarter of that."""
+"""Steps in a row that kept no draft node, after which the drafter is asked only now and then
+(probes ``PROBE_EVERY`` steps apart, the gap doubling after each probe that keeps nothing, up to
+``PROBE_MAX``) until a step keeps one again. Where a forward is compute-bound (large batches on a
+CPU) the budget keeps nothing for long stretches, and building every sample's draft tree each step
+to throw it away cost 2-4% of the step; probing every fourth step still cost about 1.5% at 128
+samples in flight (under cProfile, 8 x 16 GSM8K: 0.56 s of proposals in 35.8 s)."""
 PROBE_EVERY = 4
+PROBE_MAX = 32
 MAX_WEIGHT = 2000.0
 """Observations a calibration cell (or a depth's acceptance) holds at most; past it, old ones
 fade in proportion, so an engine that serves for days follows what its drafts do now."""
+
+
+def _probe_due(since: int) -> bool:
+    """Whether the step ``since`` steps into an idle stretch probes: steps 3, 11, 27, 59, 91, ...
+    (gaps 4, 8, 16, 32, 32, ...)."""
+    gap, at = PROBE_EVERY, PROBE_EVERY - 1
+    while at < since:
+        gap = min(2 * gap, PROBE_MAX)
+        at += gap
+    return at == since
 
 
 @dataclass
@@ -141,7 +153,7 @@ class DraftBudget:
     def wants_drafts(self) -> bool:
         """Whether this step should ask the drafter at all (see ``IDLE_STEPS``); a step it skips
         counts as one that kept nothing."""
-        if self.idle < IDLE_STEPS or (self.idle - IDLE_STEPS) % PROBE_EVERY == PROBE_EVERY - 1:
+        if self.idle < IDLE_STEPS or _probe_due(self.idle - IDLE_STEPS):
             return True
         self.idle += 1
         return False

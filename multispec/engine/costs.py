@@ -192,49 +192,71 @@ def _monotone(points: list[tuple[int, float]], floor: float = 1e-6) -> list[tupl
 
 
 LIVE_WINDOW = 64
-"""Recent steps of each kind (plain, drafting) whose observed/priced ratios ``Prices`` keeps."""
+"""Recent steps of each kind (plain, drafting) that ``Prices`` keeps."""
 LIVE_MIN = 8
 """Steps of each kind needed before the live correction applies."""
-LIVE_BOUNDS = (0.8, 2.0)
-"""The live correction of drafting steps stays within these factors of the measured prices."""
+LIVE_BOUNDS = (0.75, 4.0)
+"""The live correction of what drafting adds to a step stays within these factors of the measured
+increment."""
 
 
 class Prices:
-    """The prices the draft budget uses: the measured ``StepCosts``, with drafting steps corrected
-    by what the live steps show.
+    """The prices the draft budget uses: the measured ``StepCosts``, with what drafting adds to a
+    step corrected by what the live steps show.
 
     The calibration drafts uniform chains of one filler token that is always rejected. Real
-    drafts are trees of uneven depth whose accepted paths are walked and committed, and on this
-    2-core CPU such steps cost 15-20% more than the calibration priced them, relative to plain
-    steps (2 GSM8K questions x 16 samples one at a time, bfloat16). So the engine records each
-    step's observed time over its price, per kind, and the price of a drafting step is scaled by
-    the ratio of the two medians: a correction that needs no fit, that a uniform slowdown of the
-    machine leaves alone (it moves both medians), and that stays where it is while the budget
-    drafts nothing."""
+    drafts are trees of uneven depth whose accepted paths are walked and committed, with a
+    drafter's proposals and the target's likeliest tokens computed for it, and on this 2-core CPU
+    such steps cost more than the calibration priced them. So the engine records every step: plain
+    steps give the machine's present speed against the measurement (the median of observed over
+    priced), and each drafting step, at that speed, what it cost beyond the plain step of its
+    samples, against what the measurement says its drafts add. The median of those increments'
+    ratios scales the increment of every drafting step the budget prices; the plain part stays as
+    measured.
+
+    Only the increment is corrected, because the decision is about the increment: scaling a whole
+    drafting step instead let a few percent of noise between the two medians (a plain step of 16
+    samples costs 40 ms here, one draft token adds about 5) make drafts look free, and the budget
+    then drafted where each draft cost three times what it gained. A correction from medians needs
+    no fit, a uniform slowdown of the machine leaves it alone, and it stays where it is while the
+    budget drafts nothing."""
 
     def __init__(self, costs: StepCosts):
         self.costs = costs
         self.plain: deque[float] = deque(maxlen=LIVE_WINDOW)
-        self.drafting: deque[float] = deque(maxlen=LIVE_WINDOW)
+        """Observed over priced, per plain step."""
+        self.drafting: deque[tuple[float, float, float]] = deque(maxlen=LIVE_WINDOW)
+        """(observed seconds, price of the same samples without drafts, priced increment), per drafting step."""
         self._factor = 1.0  # updated by record, read for every candidate step the budget prices
 
     def record(self, seconds: float, tokens: int, batch: int, qmax: int, context: int, drafting: int) -> None:
         """A decode step the engine ran: its time and its shape."""
-        ratio = seconds / self.costs.seconds(tokens, batch, qmax, context, drafting)
-        (self.drafting if qmax > 1 else self.plain).append(ratio)
+        plain = self.costs.seconds(batch, batch, 1, context)
+        if qmax == 1:
+            self.plain.append(seconds / plain)
+        else:
+            increment = self.costs.seconds(tokens, batch, qmax, context, drafting) - plain
+            if increment > 0:
+                self.drafting.append((seconds, plain, increment))
         if len(self.plain) >= LIVE_MIN and len(self.drafting) >= LIVE_MIN:
+            speed = statistics.median(self.plain)
             low, high = LIVE_BOUNDS
-            factor = statistics.median(self.drafting) / statistics.median(self.plain)
+            factor = statistics.median((observed / speed - base) / increment
+                                       for observed, base, increment in self.drafting)
             self._factor = min(max(factor, low), high)
 
     def drafting_factor(self) -> float:
-        """How much dearer drafting steps are than their measured price, relative to plain steps."""
+        """How much more drafting adds to a step than measured (the live correction)."""
         return self._factor
 
     def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
-        """``StepCosts.seconds``, drafting steps scaled by ``drafting_factor``."""
+        """``StepCosts.seconds``, with a drafting step's increment over the plain step of its
+        samples scaled by ``drafting_factor``."""
         spent = self.costs.seconds(tokens, batch, qmax, context, drafting)
-        return spent * self._factor if qmax > 1 else spent
+        if qmax == 1 or self._factor == 1.0:
+            return spent
+        plain = self.costs.seconds(batch, batch, 1, context)
+        return plain + self._factor * (spent - plain)
 
 
 # ---------------------------------------------------------------------- measuring

@@ -6,7 +6,8 @@ calibration's own shapes, so every test also runs the fit the engine uses."""
 import pytest
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import IDLE_STEPS, MARGIN, MAX_WEIGHT, PRIOR_WEIGHT, PROBE_EVERY, Calibration, DraftBudget
+from multispec.engine.budget import (IDLE_STEPS, MARGIN, MAX_WEIGHT, PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, Calibration,
+                                    DraftBudget)
 from tests.engine.test_costs import law_costs
 
 CONTEXT = 200
@@ -130,16 +131,21 @@ def test_drafting_that_barely_pays_on_paper_is_left_out():
 
 
 def test_after_a_stretch_of_empty_steps_the_drafter_is_asked_only_to_probe():
-    """Compute-bound steps keep nothing: after ``IDLE_STEPS`` such steps the drafter is asked one
-    step in ``PROBE_EVERY``; the first probe whose drafts pay brings back drafting every step."""
+    """Compute-bound steps keep nothing: after ``IDLE_STEPS`` such steps the drafter is asked only
+    to probe, ``PROBE_EVERY`` steps apart, then twice as far each time, up to ``PROBE_MAX``; the
+    first probe whose drafts pay brings back drafting every step."""
     budget = DraftBudget(4, costs(fixed=0.0, per_token=0.01))  # every token costs a sample's step
     asked = []
-    for _ in range(IDLE_STEPS + 4 * PROBE_EVERY):
+    for _ in range(IDLE_STEPS + 200):
         asked.append(budget.wants_drafts())
         if asked[-1]:
             assert budget.select([chain([0.995])] * 8, CONTEXT) == [DraftTree.EMPTY] * 8
     assert asked[:IDLE_STEPS] == [True] * IDLE_STEPS
-    assert asked[IDLE_STEPS:] == ([False] * (PROBE_EVERY - 1) + [True]) * 4
+    probes = [i - IDLE_STEPS for i, a in enumerate(asked) if a and i >= IDLE_STEPS]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == PROBE_EVERY - 1
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    assert max(gaps) == PROBE_MAX and gaps[-1] == PROBE_MAX
 
     budget.costs = costs(fixed=0.2, per_token=0.0001)  # forwards turn overhead-bound
     while not budget.wants_drafts():
