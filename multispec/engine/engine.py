@@ -425,27 +425,40 @@ class LLMEngine:
             uniforms = None
             if lane.drafter.sampled:  # keyed to each sample's position, like its verification
                 uniforms = position_keys(samples).draft_uniforms(max(budgets)).tolist()
-            proposed = [DraftTree.EMPTY] * len(samples)
-            by_request: dict[Request, list[int]] = {}
-            for k, sample in enumerate(samples):
-                by_request.setdefault(sample.request, []).append(k)
             model_time = getattr(lane.drafter, "model_time", None)
             model_forwards = getattr(lane.drafter, "model_forwards", 0)
-            for request, ks in by_request.items():
-                try:
-                    got = lane.drafter.propose([samples[k].sample_id for k in ks], [budgets[k] for k in ks],
-                                               None if uniforms is None else [uniforms[k] for k in ks])
-                except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
-                    self._fail(request, error, changed)
-                    continue
-                for k, tree in zip(ks, got):
-                    proposed[k] = tree
+            proposed = self._propose(lane, samples, budgets, uniforms, changed)
             if model_time is not None:
                 self.stats.time_draft_model += lane.drafter.model_time - model_time
                 self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
             for b, tree in zip(members, lane.select(proposed, len(slots), context)):
                 trees[b] = tree
         return trees
+
+    def _propose(self, lane: Lane, samples: list[Sample], budgets: list[int], uniforms,
+                 changed: dict[str, Request]) -> list[DraftTree]:
+        """The lane's trees for ``samples``: one call for all of them (a draft model then runs one
+        forward a depth for every request of the lane, not one per request); if that raises, one
+        call per request, so that only the request whose drafting fails fails."""
+        drafter = lane.drafter
+        try:
+            return drafter.propose([s.sample_id for s in samples], budgets, uniforms)
+        except Exception:  # noqa: BLE001 - found again below, request by request
+            pass
+        proposed = [DraftTree.EMPTY] * len(samples)
+        by_request: dict[Request, list[int]] = {}
+        for k, sample in enumerate(samples):
+            by_request.setdefault(sample.request, []).append(k)
+        for request, ks in by_request.items():
+            try:
+                got = drafter.propose([samples[k].sample_id for k in ks], [budgets[k] for k in ks],
+                                      None if uniforms is None else [uniforms[k] for k in ks])
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(request, error, changed)
+                continue
+            for k, tree in zip(ks, got):
+                proposed[k] = tree
+        return proposed
 
     def _observe(self, step: Step, results: list[Verified], kept: list[int], changed: dict[str, Request]) -> None:
         """Tell each lane's drafter what its samples appended, and count them for their requests."""

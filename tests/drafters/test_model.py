@@ -378,3 +378,15 @@ def test_a_loaded_head_drafts_the_same_packed_or_plain(llm, dtype, monkeypatch):
     saved = packed.state_dict()
     for name, value in plain.state_dict().items():
         assert torch.equal(saved[name], value), name
+
+
+def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setup):
+    """Two requests in flight share their lane's head calls: one forward per depth per step, not
+    one per request."""
+    llm, head, prompt, _ = setup
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True, seed=2)
+    llm.generate([prompt, prompt[:12]], params, spec(head, num_candidates=2, max_draft_tokens=3,
+                                                      decision_threshold=0.0), use_tqdm=False)
+    stats = llm.last_stats
+    assert stats.drafted_tokens > 0
+    assert stats.draft_forwards <= 3 * stats.decode_forwards

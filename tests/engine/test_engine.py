@@ -174,10 +174,11 @@ def test_stop_strings_end_samples_at_the_same_token_with_and_without_speculation
 
 
 class Failing(ConsensusDrafter):
-    """Raises when asked for drafts for the samples of its second prompt group."""
+    """Raises when asked for drafts for any sample of its second prompt group (the engine asks
+    for a lane's samples in one call, and again request by request when that call raises)."""
 
     def propose(self, sample_ids, budgets, uniforms=None):
-        if min(sample_ids) >= self.fail_from:
+        if max(sample_ids) >= self.fail_from:
             raise RuntimeError("drafter broke")
         return super().propose(sample_ids, budgets, uniforms)
 
