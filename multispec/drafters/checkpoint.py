@@ -5,6 +5,9 @@ Its cache is laid out as the target's (``multispec.engine.cache``), one per prom
 once, in a prompt slot, prefilled when the request joins and shared by its n samples; each
 sample's generated tokens in its own slot. Each step, for the samples asked to draft:
 
+Every prompt in flight shares the step's forwards: their rows are packed together, the products
+run once, and attention runs prompt by prompt over each prompt's cache.
+
 1. *Catch up*: one forward over each sample's tokens that its cache lacks: the root (the token
    the target sampled last) and whatever verification appended that was not drafted. Their keys
    are kept; the root's row gives q of the first draft token.
@@ -149,23 +152,26 @@ class CheckpointDrafter(ModelDrafter):
                 groups.setdefault(state.group, []).append((i, min(budget, room * max(1, self.width))))
         if not groups:
             return trees
+        # Prompt by prompt, so that every forward's rows are one block per prompt's cache.
+        chosen = [pick for picks in groups.values() for pick in picks]
+        self._calls = [self.samples[sample_ids[i]] for i, _ in chosen]
+        bounds = [0]
+        for picks in groups.values():
+            bounds.append(bounds[-1] + len(picks))
+        self._segments = [(group, first, last) for group, first, last in zip(groups, bounds, bounds[1:])]
         start = time.perf_counter()
         with torch.inference_mode():
-            for group, chosen in groups.items():
-                self._group = group
-                self._calls = [self.samples[sample_ids[i]] for i, _ in chosen]
-                built = self._draft([sample_ids[i] for i, _ in chosen], [b for _, b in chosen],
-                                    None if uniforms is None else [uniforms[i] for i, _ in chosen])
-                for (i, _), tree in zip(chosen, built):
-                    trees[i] = tree
-        self._group, self._calls = None, None
+            built = self._draft([sample_ids[i] for i, _ in chosen], [b for _, b in chosen],
+                                None if uniforms is None else [uniforms[i] for i, _ in chosen])
+        for (i, _), tree in zip(chosen, built):
+            trees[i] = tree
+        self._calls, self._segments = None, None
         self.model_time += time.perf_counter() - start
         return trees
 
-    def _ready(self, need: int, key_len: int) -> KVCache:
+    def _ready(self, group: _Group, need: int, key_len: int) -> KVCache:
         """The group's cache with room for ``need`` positions in every sample slot (grown if not),
         its pending moves done, and readable up to ``key_len`` positions."""
-        group = self._group
         cache = group.cache
         if group.moves:
             slots, src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in zip(*group.moves))
@@ -176,33 +182,37 @@ class CheckpointDrafter(ModelDrafter):
         cache.ready(cache.shape.sample_slots, key_len, [0], group.prompt_len)
         return cache
 
-    def _forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
-                 rows: torch.Tensor) -> torch.Tensor:
-        """The draft model's q (over the ids both models have) at ``rows`` of a packed forward."""
-        hidden = self.model.hidden_states(tokens, positions, DecodeAttention(cache, layout))
-        logits = self.model.logits(hidden[rows])[:, : self.draft.vocab_size]
+    def _forward(self, parts: list[tuple[_Group, StepLayout, int, int, int]], tokens: list[int] | torch.Tensor,
+                 positions: list[int] | torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One packed forward of the draft model over every prompt's rows; ``parts``: per prompt,
+        in row order, its group, its layout, its row count, the room its slots need and how far
+        its attention reads. Returns q (over the ids both models have) at ``rows``."""
+        attention = _PerPrompt([(DecodeAttention(self._ready(group, need, reads), layout), count)
+                                for group, layout, count, need, reads in parts])
+        hidden = self.model.hidden_states(torch.as_tensor(tokens, device=self.device),
+                                          torch.as_tensor(positions, device=self.device), attention)
+        logits = self.model.logits(hidden[rows.to(self.device)])[:, : self.draft.vocab_size]
         return self._probs(logits)
 
     def _root_probs(self, sample_ids: list[int]) -> torch.Tensor:
         """Catch up: every pending token of each sample, its keys kept; q at each root."""
         states = self._calls
-        group = self._group
-        counts = [len(s.pending) for s in states]
-        written = [s.committed for s in states]
-        need = max(w + c for w, c in zip(written, counts)) + self.max_nodes
-        cache = self._ready(need, max(w + c for w, c in zip(written, counts)))
-        qmax = max(counts)
-        causal = torch.ones(qmax, qmax, dtype=torch.bool).tril()
-        tree_mask = causal.expand(len(states), qmax, qmax).clone()
+        counts = torch.tensor([len(s.pending) for s in states])
+        written = torch.tensor([s.committed for s in states])
+        parts = []
+        for group, first, last in self._segments:
+            size, qmax = last - first, int(counts[first:last].max())
+            reads = int((written + counts)[first:last].max())
+            causal = torch.ones(qmax, qmax, dtype=torch.bool).tril().expand(size, qmax, qmax).clone()
+            layout = StepLayout(counts=counts[first:last], written=written[first:last],
+                                prompt_slot=torch.zeros(size, dtype=torch.long),
+                                prompt_len=torch.full((size,), group.prompt_len), tree_mask=causal,
+                                slots=torch.tensor([s.slot for s in states[first:last]]))
+            # Room for the catch-up and the tree drafted after it.
+            parts.append((group, layout, int(counts[first:last].sum()), reads + self.max_nodes, reads))
         tokens = [t for s in states for t in s.pending]
-        positions = [group.prompt_len + w + i for w, c in zip(written, counts) for i in range(c)]
-        layout = StepLayout(counts=torch.tensor(counts), written=torch.tensor(written),
-                            prompt_slot=torch.zeros(len(states), dtype=torch.long),
-                            prompt_len=torch.full((len(states),), group.prompt_len), tree_mask=tree_mask,
-                            slots=torch.tensor([s.slot for s in states]))
-        last = torch.tensor(counts).cumsum(0) - 1
-        probs = self._forward(cache, torch.tensor(tokens, device=self.device),
-                              torch.tensor(positions, device=self.device), layout, last.to(self.device))
+        positions = [s.group.prompt_len + s.committed + i for s in states for i in range(len(s.pending))]
+        probs = self._forward(parts, tokens, positions, counts.cumsum(0) - 1)
         for state in states:
             state.committed += len(state.pending)
             state.pending = []
@@ -218,7 +228,7 @@ class CheckpointDrafter(ModelDrafter):
     def _child_probs(self, rows: torch.Tensor, samples: torch.Tensor, picks: torch.Tensor, depth: int) -> torch.Tensor:
         """One forward over the growing nodes at ``depth`` (sorted by sample), each attending to its
         sample's text and its ancestors; their keys are kept for the commit."""
-        states, group = self._calls, self._group
+        states = self._calls
         rows, samples, tokens = rows.cpu(), samples.cpu(), picks.cpu()
         count = len(states)
         grown = torch.bincount(samples, minlength=count)
@@ -232,25 +242,31 @@ class CheckpointDrafter(ModelDrafter):
         parent_at = self._row_at[rows]
         drafted_parent = torch.nonzero(parent_at >= 0)[:, 0]
         ancestors[drafted_parent, parent_at[drafted_parent]] = True
-
-        members = torch.nonzero(grown > 0)[:, 0]
-        batch_of = torch.full((count,), -1, dtype=torch.long)
-        batch_of[members] = torch.arange(members.numel())
-        qmax = int(grown.max())
-        sees = torch.zeros(members.numel(), qmax, max(1, int(before.max())), dtype=torch.bool)
-        sees[batch_of[samples], rank] = ancestors[:, : sees.shape[2]]
         committed = torch.tensor([s.committed for s in states])
         written = committed + before
-        cache = self._ready(int((committed + before + grown).max()), int((written + grown)[members].max()))
-        layout = StepLayout(counts=grown[members], written=written[members],
-                            prompt_slot=torch.zeros(members.numel(), dtype=torch.long),
-                            prompt_len=torch.full((members.numel(),), group.prompt_len),
-                            tree_mask=torch.eye(qmax, dtype=torch.bool).expand(members.numel(), qmax, qmax).clone(),
-                            slots=torch.tensor([states[b].slot for b in members.tolist()]),
-                            scratch=before[members], scratch_mask=sees)
-        positions = group.prompt_len + committed[samples] - 1 + depth
-        probs = self._forward(cache, tokens.to(self.device), positions.to(self.device), layout,
-                              torch.arange(samples.numel(), device=self.device))
+
+        parts = []
+        for group, first, last in self._segments:
+            members = torch.nonzero(grown[first:last] > 0)[:, 0] + first
+            if members.numel() == 0:
+                continue
+            mine = (samples >= first) & (samples < last)
+            size, qmax = members.numel(), int(grown[members].max())
+            batch_of = torch.full((count,), -1, dtype=torch.long)
+            batch_of[members] = torch.arange(size)
+            sees = torch.zeros(size, qmax, max(1, int(before[members].max())), dtype=torch.bool)
+            sees[batch_of[samples[mine]], rank[mine]] = ancestors[mine, : sees.shape[2]]
+            reads = int((written + grown)[members].max())
+            layout = StepLayout(counts=grown[members], written=written[members],
+                                prompt_slot=torch.zeros(size, dtype=torch.long),
+                                prompt_len=torch.full((size,), group.prompt_len),
+                                tree_mask=torch.eye(qmax, dtype=torch.bool).expand(size, qmax, qmax).clone(),
+                                slots=torch.tensor([states[b].slot for b in members.tolist()]),
+                                scratch=before[members], scratch_mask=sees)
+            parts.append((group, layout, int(mine.sum()), reads, reads))
+        prompt_len = torch.tensor([s.group.prompt_len for s in states])
+        positions = (prompt_len + committed)[samples] - 1 + depth
+        probs = self._forward(parts, tokens, positions, torch.arange(samples.numel()))
         paths = []
         for row, sample, token, place in zip(rows.tolist(), samples.tolist(), tokens.tolist(), at.tolist()):
             path = self._row_paths[row] + (token,)
@@ -263,3 +279,21 @@ class CheckpointDrafter(ModelDrafter):
     def _decide(self, depth: int, node_prob: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
         """The draft's confidence in a node's likeliest child."""
         return child_probs.max(-1).values
+
+
+class _PerPrompt:
+    """Attention of a forward whose rows are one block per prompt, each over its own cache: the
+    model's products run once for every prompt's rows, attention block by block."""
+
+    def __init__(self, parts: list[tuple[DecodeAttention, int]]):
+        self.parts = parts
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0][0].attend(layer, q, k, v)
+        out, start = [], 0
+        for attention, count in self.parts:
+            end = start + count
+            out.append(attention.attend(layer, q[start:end], k[start:end], v[start:end]))
+            start = end
+        return torch.cat(out)

@@ -70,7 +70,8 @@ def test_a_draft_identical_to_the_target_drafts_its_distributions(setup, monkeyp
     """The target as its own draft: every node's q equals the target's law at that node (float32
     rounding), through 190 tokens per sample (the draft's per-prompt cache outgrows its first
     capacity), samples that stop at different steps, candidates, chains cut by the confidence
-    threshold, and commits of accepted nodes that are not in place."""
+    threshold, commits of accepted nodes that are not in place, and two prompts (each with its
+    own cache) drafted in one forward a depth."""
     llm, target, _, prompt = setup
     spy = _Spy(monkeypatch)
     params = [SamplingParams(n=4, temperature=1.0, max_tokens=190, ignore_eos=True, seed=3),
@@ -85,6 +86,8 @@ def test_a_draft_identical_to_the_target_drafts_its_distributions(setup, monkeyp
     # q equal to p: (almost) every first candidate is accepted, so tau is near its ceiling.
     assert stats.accepted_tokens >= 0.9 * (stats.generated_tokens - stats.decode_forwards * 7)
     assert stats.draft_forwards > 0 and stats.time_draft_model > 0
+    # Both prompts' samples share each forward: a catch-up and at most two depths a step.
+    assert stats.draft_forwards <= 3 * stats.decode_forwards
 
 
 def test_two_candidates_keep_the_two_token_law(setup):
