@@ -45,11 +45,11 @@ FIRST_CAPACITY = 128
 
 @dataclass(eq=False)
 class _Group:
-    """One prompt's cache: prompt slot 0, sample slot i for the prompt's i-th sample."""
+    """One prompt's cache: prompt slot 0, sample slot i for the prompt's i-th sample. It lives as
+    long as one of its samples does (they alone refer to it)."""
 
     cache: KVCache
     prompt_len: int
-    live: int
     moves: list[tuple[int, int, int]] = field(default_factory=list)
     """Accepted nodes' keys to move (slot, from, to) before the cache is next read."""
 
@@ -104,7 +104,7 @@ class CheckpointDrafter(ModelDrafter):
             self.model.hidden_states(torch.tensor(prompt_ids, device=self.device),
                                      torch.arange(length, device=self.device),
                                      PrefillAttention(cache, [(slot, length)]))
-        group = _Group(cache, length, len(sample_ids))
+        group = _Group(cache, length)
         for i, sample_id in enumerate(sample_ids):
             self.samples[sample_id] = _Sample(group, i)
 
@@ -133,9 +133,7 @@ class CheckpointDrafter(ModelDrafter):
         hands them to whichever model drafter it holds)."""
 
     def remove(self, sample_id: int) -> None:
-        state = self.samples.pop(sample_id, None)
-        if state is not None:
-            state.group.live -= 1
+        self.samples.pop(sample_id, None)
 
     # ------------------------------------------------------------------ drafting
     def propose(self, sample_ids: list[int], budgets: list[int],
