@@ -26,6 +26,10 @@ def test_gsm8k_problems_extraction_and_grading():
     assert extract_answer("so she makes $1,234.50.\n#### $1,234.50") == "1234.5"
     assert extract_answer("The answer is 42 apples") == "42"
     assert extract_answer("no digits") is None
+    # An answer repeated until max_tokens cut it: the first complete one, not the cut last copy.
+    assert extract_answer("720 / 4 = 184.\n\n#### 184\n#### 184\n#### 184\n#### 1") == "184"
+    # A '####' with no number before the next '####' defers to the next one.
+    assert extract_answer("#### see below\n#### 5") == "5"
     assert task.grade(first, task.extract(first, "9 * 2 = 18\n#### 18")).correct
     assert task.grade(first, "17").status == "wrong" and task.grade(first, None).status == "no answer"
 

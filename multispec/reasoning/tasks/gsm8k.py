@@ -52,10 +52,16 @@ def normalize_number(text: str) -> str:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The final numeric answer of a completion: after '####' if present, else 'answer is',
-    else a \\boxed{}, else the last number in the text; None when there is no number."""
-    if "####" in completion:
-        value = normalize_number(completion.split("####")[-1])
+    """The final numeric answer of a completion: the number after the first '####' that has one
+    (before the next '####'), else after 'answer is', else in a \\boxed{}, else the last number
+    in the text; None when there is no number.
+
+    The first '####', not the last: a small model that has given its answer often repeats the
+    '#### <number>' line until max_tokens cuts it, and the last copy is then a cut number
+    ('#### 184' repeated, ending in '#### 1'). The prompt asks for the answer once, at the end,
+    and GSM8K's own strict answer format is read the same way."""
+    for part in completion.split("####")[1:]:
+        value = normalize_number(part)
         if value:
             return value
     for pattern in (r"answer is[:\s]*([^\n]*)", r"\\boxed\{([^}]*)\}"):
