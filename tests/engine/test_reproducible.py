@@ -12,10 +12,12 @@ default model; a position may differ only where its draw falls on a numerical ti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from multispec import RequestOutput, SamplingParams, SpecConfig
-from multispec.engine import EngineConfig, LLMEngine
+from multispec.engine import LLMEngine
 from multispec.engine.cache import kv_bytes_per_token
 from multispec.reasoning import load_gsm8k
 from tests.helpers import assert_same_sampled_tokens
@@ -119,8 +121,10 @@ def test_admission_order_does_not_change_seeded_samples(llm):
     prompts = [out.prompt_token_ids for out in free]
     spec = SpecConfig(drafter="consensus")
     one = max(len(p) for p in prompts) + 6 * (24 + spec.max_draft_nodes + 1)
-    capped = LLMEngine(llm.model, llm.tokenizer, EngineConfig(llm.engine.config.max_model_len,
-                                                              int(1.5 * one * kv_bytes_per_token(llm.config, llm.engine.dtype))))
+    # The same model key and cache directory: the step prices the shared model's engine has
+    # measured are read back, not measured again for this engine.
+    capped = LLMEngine(llm.model, llm.tokenizer, dataclasses.replace(
+        llm.engine.config, kv_cache_bytes=int(1.5 * one * kv_bytes_per_token(llm.config, llm.engine.dtype))))
     queued = drive(capped, {0: [(str(i), ids, sp, spec) for i, (ids, sp) in enumerate(zip(prompts, params))]})
     assert capped.stats.prefill_forwards >= 3
     for i, want in enumerate(free):
