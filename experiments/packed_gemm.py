@@ -16,6 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from multispec.models.llama import packing_available
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 ROWS = (1, 4, 16, 64, 128, 512)
 
@@ -37,6 +39,9 @@ def packed(x, w):
 def main() -> None:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
+        if not packing_available(dtype, "cpu"):  # bf16 packing needs AVX512-BF16 (or AVX-NE-CONVERT)
+            print(dtype, "skipped: oneDNN cannot pack it on this CPU")
+            continue
         layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
         inputs = {m: [torch.randn(m, i, dtype=dtype) for _, i in SHAPES] for m in ROWS}
 
