@@ -75,19 +75,22 @@ SAMPLED_SPEC = SpecConfig(drafter="consensus", max_draft_tokens=2, max_draft_nod
 
 
 def test_sampled_drafts_first_tokens_follow_the_model(llm):
-    """Chi-square of 8,000 samples of the first 3 tokens, speculating with sampled drafts (verified
+    """Chi-square of 4,000 samples of the first 3 tokens, speculating with sampled drafts (verified
     by the default multi-draft scheme), against their exact law. (Copied drafts are held to a
-    stronger standard in ``test_reproducible``: token for token the seeded plain samples.)
+    stronger standard in ``test_reproducible``: token for token the seeded plain samples; every
+    configuration's law is tested with 4,000 samples on the tiny model in ``test_configurations``.)
 
     Cells: every 3-token sequence with exact probability >= 1%, plus one cell for the rest. The
     prompt repeats a pattern so drafts (from the prompt and the siblings) are proposed and often
-    accepted at tokens 2 and 3, where the model is unsure (the top sequence has p ~ 0.5). Power: the test asserts it would reject, at alpha = 1e-3 with
-    probability >= 0.9, a sampler that moves 2% of the probability mass from the most likely
-    sequence to the second (a 2% total-variation bias), computed from the noncentral chi-square.
+    accepted at tokens 2 and 3, where the model is unsure (the top sequence has p ~ 0.5). Power:
+    the test asserts it would reject, at alpha = 1e-3 with probability >= 0.9, a sampler that moves
+    3% of the probability mass from the most likely sequence to the second (a 3% total-variation
+    bias), computed from the noncentral chi-square (0.98 here; 8,000 samples against a 2% bias
+    gave 0.95 for twice the time, a minute and a half more on a 2-core CPU in float32).
     """
     prompt = "1, 2, 3, 1, 2, 3, 1, 2,"
     ids = llm.tokenizer.encode(prompt)
-    temperature, length, per_call, calls = 1.0, 3, 1000, 8
+    temperature, length, per_call, calls = 1.0, 3, 1000, 4
     cells = exact_cells(llm, ids, temperature, length, threshold=0.01)
     keys = sorted(cells, key=cells.get, reverse=True)
     expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
@@ -95,8 +98,8 @@ def test_sampled_drafts_first_tokens_follow_the_model(llm):
 
     # Power against the planted alternative, before looking at the data.
     shifted = list(expected_p)
-    shifted[0] -= 0.02
-    shifted[1] += 0.02
+    shifted[0] -= 0.03
+    shifted[1] += 0.03
     noncentrality = total * sum((a - b) ** 2 / b for a, b in zip(shifted, expected_p))
     df = len(expected_p) - 1
     alpha = 1e-3
