@@ -7,7 +7,7 @@ import torch
 
 from multispec.engine.cache import KVCache
 from multispec.engine.request import Request, Sample
-from multispec.engine.scheduler import PROMPT_CAPACITY, SAMPLE_CAPACITY, Scheduler
+from multispec.engine.scheduler import PROMPT_CAPACITY, SAMPLE_CAPACITY, SPARE_PROMPTS, Scheduler
 from multispec.models.config import ModelConfig
 from multispec.params import RequestOutputKind, SamplingParams, SpecConfig
 
@@ -53,7 +53,26 @@ def test_the_plan_fits_everything_waiting_and_fills_the_cache():
     assert shape.tokens() <= 100_000
     assert (shape.sample_capacity, shape.prompt_capacity) == (SAMPLE_CAPACITY, PROMPT_CAPACITY)  # room to grow
     assert shape.sample_slots >= 32 and shape.prompt_slots >= 2
-    assert shape.prompt_slots / shape.sample_slots == pytest.approx(2 / 32, rel=0.1)
+    # The spare slots (beyond the 32 samples and 2 prompts that wait) keep SPARE_PROMPTS prompts per sample.
+    spare = (shape.prompt_slots - 2) / (shape.sample_slots - 32)
+    assert spare == pytest.approx(SPARE_PROMPTS, abs=0.02)
+
+
+def test_spare_slots_leave_room_for_requests_of_any_n():
+    """A server laid out while its first request (n = 16) ran: later clients ask for n = 1 to 16,
+    and the spare slots must not cap how many requests run at once at a handful. Before
+    ``SPARE_PROMPTS`` this layout had 10 prompt slots beside 161 sample slots (93,206 tokens)."""
+    s = scheduler(93_206)
+    s.waiting.append(request(16, 200, 17))
+    shape = s.plan()
+    assert shape.tokens() <= 93_206
+    assert shape.prompt_slots >= SPARE_PROMPTS * (shape.sample_slots - 16)
+    assert shape.sample_slots >= 100  # still most of the cache for samples
+    # Requests that want more prompts per sample than that keep their own proportion.
+    s = scheduler(93_206)
+    s.waiting.extend(request(1, 200, 17, str(i)) for i in range(4))
+    shape = s.plan()
+    assert shape.prompt_slots == pytest.approx(shape.sample_slots, abs=1)
 
 
 def test_a_tight_plan_sizes_slots_exactly_and_takes_the_queue_in_order():
