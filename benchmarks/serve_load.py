@@ -13,6 +13,11 @@ tokens as each server's usage chunk counts them), time to first token (the first
 and end-to-end latency, p50 and p99, errors (any failed request) and incomplete responses (a
 response without exactly one finish_reason for each of its n choices, or without usage).
 
+With ``--engines in-process`` the same jobs and clients run against multispec's ``AsyncLLM`` in the
+benchmark's own process (the engine the server wraps, with the server's default speculation),
+without HTTP, server-sent events or the openai client's parsing: what those cost is the gap
+between the "multispec" and "in-process" rows at each C.
+
 vLLM runs when benchmarks/peers/setup.sh has installed it (benchmarks/peers/envs/vllm), with both
 cores (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), the LD_PRELOAD its CPU guide recommends, and a 4 GiB
 KV cache (``VLLM_CPU_KVCACHE_SPACE``); it gets the Hugging Face directory the project converts
@@ -23,6 +28,7 @@ the package metadata under the name "vllm", which the CPU build (``vllm-cpu``) d
 
     .venv/bin/python benchmarks/serve_load.py                                  # the full table (long)
     .venv/bin/python benchmarks/serve_load.py --requests 6 --concurrency 2 --max-tokens 16 --engines multispec
+    .venv/bin/python benchmarks/serve_load.py --requests 24 --concurrency 32 --engines multispec,in-process
 """
 
 from __future__ import annotations
@@ -167,6 +173,64 @@ async def run_load(base_url: str, jobs: list[tuple[list[dict], int]], concurrenc
     return outcomes, time.perf_counter() - start
 
 
+async def one_in_process(llm, messages: list[dict], n: int, max_tokens: int) -> Outcome:
+    """``one_request`` against an ``AsyncLLM`` directly: the same request, read as it streams."""
+    from multispec import SamplingParams
+
+    start = time.perf_counter()
+    first, finishes, tokens = None, {}, 0
+    params = SamplingParams(n=n, temperature=TEMPERATURE, top_p=TOP_P, max_tokens=max_tokens)
+    try:
+        async for out in llm.chat(messages, params):
+            for completion in out.outputs:
+                tokens += len(completion.token_ids)
+                if first is None and completion.text:
+                    first = time.perf_counter() - start
+                if completion.finish_reason is not None:
+                    finishes[completion.index] = finishes.get(completion.index, 0) + 1
+    except Exception as error:  # noqa: BLE001 - counted and shown, the run goes on
+        return Outcome(False, False, tokens, first, time.perf_counter() - start, f"{type(error).__name__}: {error}")
+    return Outcome(True, finishes == dict.fromkeys(range(n), 1), tokens, first, time.perf_counter() - start)
+
+
+async def run_in_process(llm, jobs: list[tuple[list[dict], int]], concurrency: int,
+                         max_tokens: int) -> tuple[list[Outcome], float]:
+    """``run_load`` with the clients calling ``llm`` (an ``AsyncLLM``) in this process."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    outcomes: list[Outcome] = []
+
+    async def worker():
+        while not queue.empty():
+            messages, n = queue.get_nowait()
+            outcomes.append(await one_in_process(llm, messages, n, max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outcomes, time.perf_counter() - start
+
+
+def bench_in_process(jobs, levels: list[int], args) -> list[dict]:
+    """The engine ``multispec serve`` wraps, as the server builds it (same dtype, KV cache, default
+    speculation, prices measured before the first request), driven from this process."""
+    from multispec import LLM, SpecConfig
+    from multispec.async_llm import AsyncLLM
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=4, spec=SpecConfig(drafter="consensus"))
+    llm.engine.step_costs()
+    rows = []
+    with AsyncLLM(llm) as engine:
+        asyncio.run(run_in_process(engine, jobs[:1], 1, 16))  # warm-up
+        for concurrency in levels:
+            outcomes, wall = asyncio.run(run_in_process(engine, jobs, concurrency, args.max_tokens))
+            row = summarize("in-process", concurrency, outcomes, wall)
+            rows.append(row)
+            print(f"in-process C={concurrency:<3} {row['output_tokens_per_s']:.0f} output tok/s, "
+                  f"{row['errors']} errors, {row['incomplete']} incomplete, {wall:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (NaN for no values)."""
     if not values:
@@ -199,12 +263,14 @@ def table(rows: list[dict]) -> str:
 
 
 def ratios(rows: list[dict]) -> list[str]:
-    """multispec's output tokens/s over vLLM's at each C where both ran."""
+    """multispec's output tokens/s over vLLM's, and over its own engine in process, at each C where
+    both ran."""
     by = {(r["engine"], r["concurrency"]): r for r in rows}
-    return [f"C = {c}: multispec / vLLM output tokens/s = "
-            f"{by[('multispec', c)]['output_tokens_per_s'] / by[('vllm', c)]['output_tokens_per_s']:.2f}x"
-            for (engine, c) in by if engine == "multispec" and ("vllm", c) in by
-            and by[("vllm", c)]["output_tokens_per_s"] > 0]
+    return [f"C = {c}: multispec / {other} output tokens/s = "
+            f"{by[('multispec', c)]['output_tokens_per_s'] / by[(other, c)]['output_tokens_per_s']:.2f}x"
+            for other in ("vllm", "in-process")
+            for (engine, c) in by if engine == "multispec" and (other, c) in by
+            and by[(other, c)]["output_tokens_per_s"] > 0]
 
 
 def workload(requests: int, seed: int) -> list[tuple[list[dict], int]]:
@@ -239,7 +305,8 @@ def bench_engine(engine: str, jobs, levels: list[int], args, log_dir: Path) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default="multispec,vllm", help="comma-separated: multispec, vllm")
+    parser.add_argument("--engines", default="multispec,vllm",
+                        help="comma-separated: multispec, vllm, in-process (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -255,8 +322,9 @@ def main() -> None:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.requests < 1 or args.max_tokens < 1 or not levels or min(levels) < 1:
         parser.error("--requests, --max-tokens and every --concurrency must be >= 1")
-    if set(engines) - {"multispec", "vllm"}:
-        parser.error(f"--engines: unknown {', '.join(sorted(set(engines) - {'multispec', 'vllm'}))}")
+    known = {"multispec", "vllm", "in-process"}
+    if set(engines) - known:
+        parser.error(f"--engines: unknown {', '.join(sorted(set(engines) - known))}")
     log_dir = Path(args.logs) if args.logs else Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-load-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     jobs = workload(args.requests, args.seed)
@@ -265,7 +333,8 @@ def main() -> None:
         if engine == "vllm" and not VLLM.exists():
             print("vllm: not installed (run benchmarks/peers/setup.sh vllm)", file=sys.stderr)
             continue
-        rows += bench_engine(engine, jobs, levels, args, log_dir)
+        rows += bench_in_process(jobs, levels, args) if engine == "in-process" else bench_engine(
+            engine, jobs, levels, args, log_dir)
     print(f"\n{args.requests} GSM8K chat requests, n from {{1, 4, 8, 16}}, T {TEMPERATURE}, max_tokens "
           f"{args.max_tokens}, streamed; {os.cpu_count()} cores; loopback.\n")
     print(table(rows))
