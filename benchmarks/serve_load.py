@@ -155,6 +155,15 @@ async def run_load(base_url: str, jobs: list[tuple[list[dict], int]], concurrenc
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    try:
+        return await clients(jobs, concurrency, lambda messages, n: one_request(client, messages, n, max_tokens))
+    finally:
+        await client.close()
+
+
+async def clients(jobs: list[tuple[list[dict], int]], concurrency: int, send) -> tuple[list[Outcome], float]:
+    """``concurrency`` clients, each awaiting ``send(messages, n)`` for the next job as soon as its
+    last one ended; the outcomes and the wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
@@ -163,13 +172,10 @@ async def run_load(base_url: str, jobs: list[tuple[list[dict], int]], concurrenc
     async def worker():
         while not queue.empty():
             messages, n = queue.get_nowait()
-            outcomes.append(await one_request(client, messages, n, max_tokens))
+            outcomes.append(await send(messages, n))
 
     start = time.perf_counter()
-    try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    finally:
-        await client.close()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return outcomes, time.perf_counter() - start
 
 
@@ -196,19 +202,7 @@ async def one_in_process(llm, messages: list[dict], n: int, max_tokens: int) -> 
 async def run_in_process(llm, jobs: list[tuple[list[dict], int]], concurrency: int,
                          max_tokens: int) -> tuple[list[Outcome], float]:
     """``run_load`` with the clients calling ``llm`` (an ``AsyncLLM``) in this process."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-    outcomes: list[Outcome] = []
-
-    async def worker():
-        while not queue.empty():
-            messages, n = queue.get_nowait()
-            outcomes.append(await one_in_process(llm, messages, n, max_tokens))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return outcomes, time.perf_counter() - start
+    return await clients(jobs, concurrency, lambda messages, n: one_in_process(llm, messages, n, max_tokens))
 
 
 def bench_in_process(jobs, levels: list[int], args) -> list[dict]:
@@ -223,11 +217,8 @@ def bench_in_process(jobs, levels: list[int], args) -> list[dict]:
     with AsyncLLM(llm) as engine:
         asyncio.run(run_in_process(engine, jobs[:1], 1, 16))  # warm-up
         for concurrency in levels:
-            outcomes, wall = asyncio.run(run_in_process(engine, jobs, concurrency, args.max_tokens))
-            row = summarize("in-process", concurrency, outcomes, wall)
-            rows.append(row)
-            print(f"in-process C={concurrency:<3} {row['output_tokens_per_s']:.0f} output tok/s, "
-                  f"{row['errors']} errors, {row['incomplete']} incomplete, {wall:.0f} s", file=sys.stderr, flush=True)
+            rows.append(summarize("in-process", concurrency,
+                                  *asyncio.run(run_in_process(engine, jobs, concurrency, args.max_tokens))))
     return rows
 
 
@@ -240,15 +231,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(engine: str, concurrency: int, outcomes: list[Outcome], wall: float) -> dict:
+    """One row of the table, also printed as a progress line."""
     ok = [o for o in outcomes if o.ok]
     first = [o.first_token for o in ok if o.first_token is not None]
     latency = [o.latency for o in ok]
-    return {"engine": engine, "concurrency": concurrency, "requests": len(outcomes),
-            "errors": len(outcomes) - len(ok), "incomplete": sum(not o.complete for o in ok),
-            "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(o.tokens for o in ok) / wall,
-            "ttft_p50": percentile(first, 0.5), "ttft_p99": percentile(first, 0.99),
-            "latency_p50": percentile(latency, 0.5), "latency_p99": percentile(latency, 0.99), "wall_s": wall,
-            "first_errors": [o.error for o in outcomes if not o.ok][:3]}
+    row = {"engine": engine, "concurrency": concurrency, "requests": len(outcomes),
+           "errors": len(outcomes) - len(ok), "incomplete": sum(not o.complete for o in ok),
+           "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(o.tokens for o in ok) / wall,
+           "ttft_p50": percentile(first, 0.5), "ttft_p99": percentile(first, 0.99),
+           "latency_p50": percentile(latency, 0.5), "latency_p99": percentile(latency, 0.99), "wall_s": wall,
+           "first_errors": [o.error for o in outcomes if not o.ok][:3]}
+    print(f"{engine:<10} C={concurrency:<3} {row['output_tokens_per_s']:.0f} output tok/s, {row['errors']} errors, "
+          f"{row['incomplete']} incomplete, {wall:.0f} s", file=sys.stderr, flush=True)
+    return row
 
 
 def table(rows: list[dict]) -> str:
@@ -291,11 +286,9 @@ def bench_engine(engine: str, jobs, levels: list[int], args, log_dir: Path) -> l
         wait_healthy(base_url, process, args.start_timeout)
         asyncio.run(run_load(base_url, jobs[:1], 1, 16, args.request_timeout))  # warm-up
         for concurrency in levels:
-            outcomes, wall = asyncio.run(run_load(base_url, jobs, concurrency, args.max_tokens, args.request_timeout))
-            row = summarize(engine, concurrency, outcomes, wall)
-            rows.append(row)
-            print(f"{engine:<10} C={concurrency:<3} {row['output_tokens_per_s']:.0f} output tok/s, "
-                  f"{row['errors']} errors, {row['incomplete']} incomplete, {wall:.0f} s", file=sys.stderr, flush=True)
+            rows.append(summarize(engine, concurrency,
+                                  *asyncio.run(run_load(base_url, jobs, concurrency, args.max_tokens,
+                                                        args.request_timeout))))
     except RuntimeError as error:
         print(f"{engine}: {error}; its log: {log_path}", file=sys.stderr)
     finally:
