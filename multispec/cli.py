@@ -167,10 +167,11 @@ def cmd_train_draft(args) -> int:
     from multispec.training import TrainConfig, train_draft
 
     config = TrainConfig(questions=args.questions, samples=args.samples, epochs=args.epochs, seed=args.seed,
-                         num_tokens=args.num_tokens, unroll=args.unroll, references=args.references)
+                         num_tokens=args.num_tokens, unroll=args.unroll, references=args.references,
+                         context=args.context)
     if args.references < 0:
         raise ValueError(f"--references {args.references}: must be >= 0")
-    for name in ("questions", "samples", "epochs", "num_tokens", "unroll"):
+    for name in ("questions", "samples", "epochs", "num_tokens", "unroll", "context"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     llm = _llm(args)
@@ -232,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--epochs", type=int, default=defaults.epochs)
     trn.add_argument("--num-tokens", type=int, default=defaults.num_tokens, help="the head's vocabulary size")
     trn.add_argument("--unroll", type=int, default=defaults.unroll, help="training-time draft depth")
+    trn.add_argument("--context", type=int, default=defaults.context,
+                     help="pairs of target feature and token before the root the head reads, the root's included")
     trn.add_argument("--references", type=int, default=defaults.references,
                      help="further questions whose reference solution is teacher-forced as the answer")
     trn.add_argument("--answers", help="keep the sampled answers in this JSON file (a rerun reuses them)")

@@ -49,6 +49,8 @@ class TrainConfig:
     num_tokens: int = 4096
     """The head's vocabulary: the tokens the target wrote most often."""
     intermediate_size: int = 768
+    context: int = 1
+    """Pairs of the text before the root the head reads (see ``HeadConfig.context``)."""
     unroll: int = 3
     epochs: int = 4
     batch: int = 512
@@ -109,13 +111,34 @@ def frequent_tokens(data: Sequences, k: int, vocab_size: int) -> torch.Tensor:
     return counts.topk(min(k, vocab_size)).indices.sort().values
 
 
+def windows(data: Sequences, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each start's window of ``context`` positions ending at it ``[R, C]`` (clamped into range)
+    and which of them lie in the start's own answer (the head sees no earlier text when drafting
+    either: the first feature it gets is the prompt's last)."""
+    index = starts[:, None] - torch.arange(context - 1, -1, -1)
+    inside = index >= 0
+    index = index.clamp_min(0)
+    inside &= data.sequence[index] == data.sequence[starts][:, None]
+    return index, inside
+
+
+def unroll_inputs(data: Sequences, starts: torch.Tensor, context: int,
+                  unroll: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DraftHead.unrolled``'s inputs for chains rooted after each start: the window's features
+    ``[R, C, H]``, the token after each window position (that after the start is the first one
+    drafted) followed by the ``unroll - 1`` tokens the chain feeds back ``[R, C + unroll - 1]``,
+    and which window positions exist ``[R, C]``."""
+    window, inside = windows(data, starts, context)
+    after = data.tokens[(window + 1).clamp_max(data.tokens.numel() - 1)]
+    fed = data.tokens[starts[:, None] + torch.arange(2, unroll + 1)]
+    return data.features[window].float(), torch.cat([after, fed], 1), inside
+
+
 def head_loss(head: DraftHead, data: Sequences, starts: torch.Tensor, unroll: int, feature_weight: float,
               output: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
     """Mean loss over ``starts`` and per-step statistics (top-1 agreement, acceptance)."""
     offsets = starts[:, None] + torch.arange(1, unroll + 1)
-    features = data.features[starts].float()
-    tokens = data.tokens[offsets]
-    predicted = head.unrolled(features, tokens)  # [R, S, H]
+    predicted = head.unrolled(*unroll_inputs(data, starts, head.config.context, unroll))  # [R, S, H]
     total = 0.0
     stats = []
     for s in range(unroll):
@@ -278,13 +301,13 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file:
         f"frequent tokens cover {coverage:.1%} of held-out answer tokens")
 
     head = DraftHead(HeadConfig.for_target(llm.config, vocab.numel(), config.intermediate_size,
-                                           name=str(llm.model_name)))
+                                           name=str(llm.model_name), context=config.context))
     head.vocab_ids.copy_(vocab)
     head.attach(llm.model)
     head.output = head.output.float()
     head.embedding = head.embedding.float()
     log(f"training the head ({sum(p.numel() for n, p in head.named_parameters() if not n.startswith('decision')) / 1e6:.1f}M "
-        f"parameters, unroll {config.unroll}, {config.epochs} epochs)")
+        f"parameters, window {config.context}, unroll {config.unroll}, {config.epochs} epochs)")
     train_head(head, train, config, log)
     figures = agreement(head, held, config.unroll)
     log("held-out agreement with the target (per draft depth):")

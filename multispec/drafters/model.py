@@ -19,6 +19,7 @@ exact for any tree (the hybrid drafter's use).
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -59,8 +60,11 @@ class ModelDrafter:
         self.vocab_ids = head.vocab_ids
         """The target's token id of each column of q (the head drafts from its own short list)."""
         self.device = head.vocab_ids.device
-        self.features: dict[int, torch.Tensor] = {}
-        self.last_token: dict[int, int] = {}
+        self.context = head.config.context
+        self.features: dict[int, deque] = {}
+        """Per sample, the target's features at its newest positions (up to the head's context)."""
+        self.tokens: dict[int, deque] = {}
+        """Per sample, its newest tokens: the one written after each feature above."""
         self.model_time = 0.0
         """Seconds spent in the head's forwards and draws (``RunStats.time_draft_model``)."""
         self.model_forwards = 0
@@ -101,24 +105,25 @@ class ModelDrafter:
 
     def observe(self, sample_id: int, new_tokens: list[int], token_probs=None, alternatives=None) -> None:
         if new_tokens:
-            self.last_token[sample_id] = int(new_tokens[-1])
+            self.tokens.setdefault(sample_id, deque(maxlen=self.context)).extend(int(t) for t in new_tokens)
 
-    def observe_features(self, sample_ids: list[int], features: torch.Tensor) -> None:
-        """The target's final hidden state at each sample's last verified position (the row whose
-        distribution its newest token was drawn from)."""
-        for sample_id, row in zip(sample_ids, features):
-            self.features[sample_id] = row
+    def observe_features(self, sample_ids: list[int], features: Sequence[torch.Tensor]) -> None:
+        """Per sample, the target's final hidden states ``[k, H]`` at the positions its ``k``
+        newest tokens were drawn from, in order (the last: the row its newest token was drawn
+        from)."""
+        for sample_id, rows in zip(sample_ids, features):
+            self.features.setdefault(sample_id, deque(maxlen=self.context)).extend(rows[-self.context:])
 
     def remove(self, sample_id: int) -> None:
         self.features.pop(sample_id, None)
-        self.last_token.pop(sample_id, None)
+        self.tokens.pop(sample_id, None)
 
     # ------------------------------------------------------------------ drafting
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
         trees = [DraftTree.EMPTY] * len(sample_ids)
         live = [i for i, (s, b) in enumerate(zip(sample_ids, budgets)) if b > 0 and s in self.features
-                and s in self.last_token]
+                and s in self.tokens]
         if not live:
             return trees
         start = time.perf_counter()
@@ -188,13 +193,31 @@ class ModelDrafter:
                                                node_prob, child_probs))
 
     def _root_probs(self, sample_ids: list[int]) -> torch.Tensor:
-        """q of each sample's first draft token ``[count, K]``: the head's step from the target's
-        feature and the root token. Starts the paths the next depths extend."""
+        """q of each sample's first draft token ``[count, K]``: the head's step over the sample's
+        window (the target's features at its newest positions and the token written after each,
+        the root last). Starts the paths the next depths extend."""
         head = self.head
-        features = torch.stack([self.features[s] for s in sample_ids]).to(self.device)
-        roots = torch.tensor([self.last_token[s] for s in sample_ids], device=self.device)
-        self._attention = PathAttention()
-        self._states = head.step(features, roots, 0, self._attention)
+        width = min(min(len(self.features[s]), len(self.tokens[s])) for s in sample_ids)
+        longest = max(min(len(self.features[s]), len(self.tokens[s])) for s in sample_ids)
+        if longest == 1:
+            features = torch.stack([self.features[s][-1] for s in sample_ids])[:, None]
+            tokens = [[self.tokens[s][-1]] for s in sample_ids]
+            mask = None
+        else:
+            # Windows right-aligned at the root; shorter ones (a sample's first tokens) padded on the left.
+            rows, tokens, valid = [], [], []
+            for s in sample_ids:
+                have = min(len(self.features[s]), len(self.tokens[s]))
+                feats = list(self.features[s])[-have:]
+                pad = longest - have
+                rows.append(torch.stack([feats[0]] * pad + feats) if pad else torch.stack(feats))
+                tokens.append([0] * pad + list(self.tokens[s])[-have:])
+                valid.append([False] * pad + [True] * have)
+            features = torch.stack(rows)
+            mask = None if width == longest else torch.tensor(valid, device=self.device)
+        features = features.to(self.device)
+        tokens = torch.tensor(tokens, device=self.device)
+        self._states, self._attention = head.start(features, tokens, mask)
         return self._probs(head.logits(self._states))
 
     def _child_probs(self, rows: torch.Tensor, samples: torch.Tensor, picks: torch.Tensor, depth: int) -> torch.Tensor:

@@ -355,7 +355,7 @@ class LLMEngine:
                                          None if tops is None else [tops[k]])
                 if getattr(lane.drafter, "wants_features", False):
                     live = [s.sample_id for s in request.samples if not s.finished]
-                    lane.drafter.observe_features(live, hidden[row].expand(len(live), -1))
+                    lane.drafter.observe_features(live, [hidden[row:row + 1]] * len(live))
                 self.stats.generated_tokens += n
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
@@ -487,17 +487,19 @@ class LLMEngine:
     def _features(self, step: Step, results: list[Verified], hidden: torch.Tensor, lanes: dict[Lane, list[int]],
                   changed: dict[str, Request]) -> None:
         """Give drafters that draft from the target's features (a draft head) each sample's final
-        hidden state at its last accepted position: the row its bonus token was drawn from."""
+        hidden states at the positions its new tokens were drawn from: the root's row, then each
+        accepted node's (the last: the row its bonus token was drawn from)."""
         for lane, members in lanes.items():
             if not getattr(lane.drafter, "wants_features", False):
                 continue
             live = [b for b in members if not step.samples[b].finished and step.samples[b].request.error is None]
             if not live:
                 continue
-            rows = [step.row_offsets[b] + (1 + results[b].path[-1] if results[b].path else 0) for b in live]
+            rows = [[step.row_offsets[b]] + [step.row_offsets[b] + 1 + node for node in results[b].path] for b in live]
             try:
+                picked = hidden[torch.tensor([r for each in rows for r in each], device=hidden.device)]
                 lane.drafter.observe_features([step.samples[b].sample_id for b in live],
-                                              hidden[torch.tensor(rows, device=hidden.device)])
+                                              picked.split([len(each) for each in rows]))
             except Exception as error:  # noqa: BLE001 - the lane's requests fail, the others go on
                 for request in {step.samples[b].request for b in live}:
                     self._fail(request, error, changed)

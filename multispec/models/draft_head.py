@@ -4,9 +4,12 @@ The head drafts from the target's own last hidden state instead of from text: gi
 final (normed) hidden state ``h_t`` at the last verified position and the token ``x_{t+1}`` sampled
 there, one Llama decoder layer predicts the hidden state the target would have at ``t+1``; the
 target's own output rows turn it into the next token's distribution; the prediction is fed back
-with the drafted token for the next depth. The head attends only to the path it drafts in this
-step (its root and the drafted ancestors), so it keeps no cache between steps: everything it knows
-about the context comes from the target's feature at the root.
+with the drafted token for the next depth. The head attends to a short window of the text before
+the root (``HeadConfig.context`` pairs of the target's feature at a position and the token written
+after it, the root's pair last) and to the path it drafts in this step. It keeps no cache between
+steps: its keys for the window are recomputed from the target's features each step, which costs
+one pass of the window's rows through its first projection and q/k/v, and everything older than
+the window reaches it only through the target's features.
 
 Two choices keep it small and cheap:
 - it reuses the target's token embedding and output head (not stored), and its output is
@@ -62,50 +65,91 @@ class HeadConfig:
     """Name of the target model the head was trained for (informational)."""
     threshold: float = 0.0
     """Decision threshold recommended with the shipped decision model (0: none shipped)."""
+    context: int = 1
+    """Pairs (target feature, following token) the root's step reads, the root's own included
+    (1: the root alone)."""
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(architecture="LlamaForCausalLM", vocab_size=self.num_tokens, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_hidden_layers=1,
                            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           head_dim=self.hidden_size // self.num_attention_heads, max_position_embeddings=MAX_DEPTH,
+                           head_dim=self.hidden_size // self.num_attention_heads,
+                           max_position_embeddings=self.context + MAX_DEPTH,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=10000.0, rope_scaling=None,
                            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, bos_token_id=None,
                            eos_token_ids=[])
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_tokens: int, intermediate_size: int | None = None,
-                   name: str = "") -> HeadConfig:
+                   name: str = "", context: int = 1) -> HeadConfig:
+        if context < 1:
+            raise ValueError(f"a draft head's context must be at least 1 (the root), got {context}")
         return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
                    num_key_value_heads=target.num_key_value_heads,
                    intermediate_size=intermediate_size or max(64, target.intermediate_size // 2),
                    num_tokens=num_tokens, target_vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
-                   target=name)
+                   target=name, context=context)
 
 
 class PathAttention:
-    """Attention of each drafted node over its own path: keys and values of its ancestors (kept
-    here between depths, gathered by parent) and its own. ``attend`` is the decoder layer's hook
-    (see ``multispec.models.llama.Attention``)."""
+    """Attention of each drafted node over its own path: keys and values of the root's window and
+    of its ancestors (kept here between depths, gathered by parent) and its own. ``attend`` is the
+    decoder layer's hook (see ``multispec.models.llama.Attention``). ``mask [N, L]`` marks the
+    stored keys that exist (a window shorter than the head's context is padded on the left); None:
+    all of them."""
 
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
-        self.keys, self.values = keys, values  # [N, depth, kv_heads, head_dim] of the parents, or None
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None):
+        self.keys, self.values, self.mask = keys, values, mask  # [N, L, kv_heads, head_dim], [N, L]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.keys is not None:
             k = torch.cat([self.keys, k[:, None]], dim=1)
             v = torch.cat([self.values, v[:, None]], dim=1)
+            if self.mask is not None:
+                self.mask = F.pad(self.mask, (0, 1), value=True)
         else:
             k, v = k[:, None], v[:, None]
         self.keys, self.values = k, v
-        groups = q.shape[1] // k.shape[2]
-        # [N, heads, 1, D] over [N, heads, depth, D]: every key is an ancestor, no mask.
-        out = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(groups, 2).transpose(1, 2),
-                                             v.repeat_interleave(groups, 2).transpose(1, 2))
-        return out[:, :, 0]
+        return _attend_last(q, k, v, self.mask)
 
     def children(self, parents: torch.Tensor) -> PathAttention:
         """The paths of the next depth's nodes, whose parents are the rows ``parents`` of this one."""
-        return PathAttention(self.keys[parents], self.values[parents])
+        return PathAttention(self.keys[parents], self.values[parents], None if self.mask is None else self.mask[parents])
+
+
+class WindowAttention:
+    """The root's step over its window: rows come as ``[N * C]`` (C pairs per root, the root's
+    last); only each root's row attends (over its window's existing keys), the other rows only
+    give keys and values, and their outputs are zeros the caller drops. ``path()`` hands the keys
+    to the drafted depths."""
+
+    def __init__(self, count: int, mask: torch.Tensor | None):
+        self.count, self.mask = count, mask
+        self.keys = self.values = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.count
+        k, v = k.view(n, -1, *k.shape[1:]), v.view(n, -1, *v.shape[1:])
+        self.keys, self.values = k, v
+        last = _attend_last(q.view(n, -1, *q.shape[1:])[:, -1], k, v, self.mask)
+        out = q.new_zeros(n, k.shape[1], *q.shape[1:])
+        out[:, -1] = last
+        return out.view(q.shape)
+
+    def path(self) -> PathAttention:
+        return PathAttention(self.keys, self.values, self.mask)
+
+
+def _attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q ``[N, heads, D]`` of one row per path over its keys ``[N, L, kv_heads, D]`` (GQA)."""
+    groups = q.shape[1] // k.shape[2]
+    if mask is not None and bool(mask.all()):
+        mask = None
+    out = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(groups, 2).transpose(1, 2),
+                                         v.repeat_interleave(groups, 2).transpose(1, 2),
+                                         attn_mask=None if mask is None else mask[:, None, None, :])
+    return out[:, :, 0]
 
 
 class DraftHead(nn.Module):
@@ -121,7 +165,9 @@ class DraftHead(nn.Module):
         self.decision = nn.Sequential(nn.Linear(DECISION_FEATURES, 32), nn.SiLU(), nn.Linear(32, 1))
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, config.hidden_size // config.num_attention_heads, 2).float()
                                       / (config.hidden_size // config.num_attention_heads)))
-        angles = torch.outer(torch.arange(MAX_DEPTH, dtype=torch.float32), inv_freq)
+        # Positions: the window's pairs at 0 .. context - 1 (the root's last), drafted depth d at
+        # context - 1 + d.
+        angles = torch.outer(torch.arange(config.context + MAX_DEPTH, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
@@ -149,24 +195,55 @@ class DraftHead(nn.Module):
             self.output_product = Projection(self.output, None, pack=True)
         return self
 
-    def step(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, attention) -> torch.Tensor:
-        """Predicted target features after ``tokens`` (each following the feature beside it),
-        for nodes at path position ``depth`` (0: the root)."""
+    def _inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype
         x = torch.cat([features.to(dtype), F.embedding(tokens, self.embedding).to(dtype)], -1)
-        x = self.fc_product(x) if self.fc_product is not None else self.fc(x)
-        cos = self.rope_cos[depth].to(x.dtype).expand(x.shape[0], -1)
-        sin = self.rope_sin[depth].to(x.dtype).expand(x.shape[0], -1)
+        return self.fc_product(x) if self.fc_product is not None else self.fc(x)
+
+    def _rope(self, positions: torch.Tensor | int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(positions, int):
+            return (self.rope_cos[positions].to(dtype).expand(rows, -1),
+                    self.rope_sin[positions].to(dtype).expand(rows, -1))
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, attention) -> torch.Tensor:
+        """Predicted target features after ``tokens`` (each following the feature beside it),
+        for nodes at path position ``depth`` (0: the root, with no window before it; see
+        ``start``)."""
+        x = self._inputs(features, tokens)
+        cos, sin = self._rope(self.config.context - 1 + depth, x.shape[0], x.dtype)
         return self.layer(x, cos, sin, attention)
 
-    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Training: ``features [R, H]`` at positions t, ``tokens [R, S]`` at t+1..t+S; the head's
-        own predictions fed back S times, each step attending to the steps before it, exactly as
-        a drafted chain runs. Returns the predicted features ``[R, S, H]``."""
-        attention = PathAttention()
-        feature, out = features, []
-        for s in range(tokens.shape[1]):
-            feature = self.step(feature, tokens[:, s], s, attention)
+    def start(self, features: torch.Tensor, tokens: torch.Tensor,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, PathAttention]:
+        """The roots' step over their windows: ``features [N, C, H]`` and ``tokens [N, C]`` are
+        each root's last C pairs (C <= context, the root's own last), ``mask [N, C]`` which of
+        them exist (None: all). Returns the roots' predicted features ``[N, H]`` and the attention
+        the drafted depths extend."""
+        n, c = tokens.shape
+        if c > self.config.context:
+            raise ValueError(f"a window of {c} pairs is longer than the head's context {self.config.context}")
+        layer = self.layer
+        x = self._inputs(features.reshape(n * c, -1), tokens.reshape(-1))
+        positions = torch.arange(self.config.context - c, self.config.context, device=x.device).repeat(n)
+        cos, sin = self._rope(positions, n * c, x.dtype)
+        window = WindowAttention(n, mask)
+        attended = layer.self_attn(layer.input_layernorm(x), cos, sin, window)
+        # Only the roots' rows go on through the MLP (the others gave their keys and values).
+        root = (x + attended).view(n, c, -1)[:, -1]
+        return root + layer.mlp(layer.post_attention_layernorm(root)), window.path()
+
+    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: ``features [R, C, H]`` and ``tokens [R, C + S - 1]``: each row's window of C
+        pairs (feature at a position, the token after it; ``mask [R, C]`` which exist), then the
+        S - 1 tokens after the root's; the head's own predictions fed back S times, each step
+        attending to the window and the steps before it, exactly as a drafted chain runs. Returns
+        the predicted features ``[R, S, H]``."""
+        c = features.shape[1]
+        feature, attention = self.start(features, tokens[:, :c], mask)
+        out = [feature]
+        for s in range(1, tokens.shape[1] - c + 1):
+            feature = self.step(feature, tokens[:, c - 1 + s], s, attention)
             out.append(feature)
         return torch.stack(out, 1)
 

@@ -13,7 +13,8 @@ from scipy.stats import chi2, chisquare, ncx2
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS, ModelDrafter
 from multispec.models.draft_head import DraftHead, HeadConfig
-from multispec.training import Sequences, agreement, pick_threshold, teacher_forced, train_head, TrainConfig
+from multispec.training import (Sequences, TrainConfig, agreement, pick_threshold, teacher_forced, train_head,
+                               unroll_inputs, windows)
 from tests.helpers import exact_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
@@ -169,10 +170,10 @@ def test_decision_threshold_shortens_chains(setup):
     assert ModelDrafter.create(head=DraftHead.load(head), max_depth=4, max_nodes=8).threshold == 0.0
 
 
-def test_engine_hands_the_head_the_target_features_of_the_last_verified_position(setup, monkeypatch):
-    """After every step, the feature a sample's drafter holds is the target's final hidden state at
-    the position its newest token was drawn from, i.e. a plain forward over the prompt and all
-    but the newest token, last row."""
+def test_engine_hands_the_head_the_target_features_of_every_new_position(setup, monkeypatch):
+    """After every step, the features a sample's drafter is handed are the target's final hidden
+    states at the positions its new tokens were drawn from (the root's and every accepted node's),
+    i.e. the rows of a plain forward over the prompt and all but the newest token."""
     llm, head, prompt, _ = setup
     seen = []
 
@@ -183,16 +184,70 @@ def test_engine_hands_the_head_the_target_features_of_the_last_verified_position
 
         def observe_features(self, sample_ids, features):
             super().observe_features(sample_ids, features)
-            for sample_id, row in zip(sample_ids, features):
-                seen.append((list(self.written[sample_id]), row.clone()))
+            for sample_id, rows in zip(sample_ids, features):
+                seen.append((list(self.written[sample_id]), rows.clone()))
 
     monkeypatch.setitem(DRAFTERS, "model", Recording)
     llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=5),
                  spec(head, num_candidates=2, max_draft_tokens=3), use_tqdm=False)
     assert llm.last_stats.accepted_tokens > 0 and len(seen) > 6
-    for written, feature in seen:
-        want = llm.engine.sequence_states(prompt + written[:-1])[-1]
-        torch.testing.assert_close(feature, want, atol=1e-4, rtol=1e-4)
+    assert any(rows.shape[0] > 1 for _, rows in seen)  # steps that accepted drafts hand several rows
+    for written, rows in seen:
+        states = llm.engine.sequence_states(prompt + written[:-1])
+        first = len(prompt) - 1 + len(written) - rows.shape[0]  # the row the oldest new token was drawn from
+        torch.testing.assert_close(rows, states[first:first + rows.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+def test_a_windowed_head_drafts_from_the_windows_it_is_trained_on(setup, tmp_path, monkeypatch):
+    """A head that reads four pairs before its root: the first draft distribution it gives each
+    sample at every step (windows shorter than four in the first steps, longer later, rows handed
+    after multi-token acceptances) equals what training computes for the same text from a plain
+    forward's features, so the head drafts from exactly the inputs it learnt from."""
+    llm, _, prompt, _ = setup
+    torch.manual_seed(3)
+    head = DraftHead(HeadConfig.for_target(llm.config, llm.config.vocab_size, intermediate_size=64, context=4))
+    head.vocab_ids.copy_(torch.arange(llm.config.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(8.0)  # a random head far from uniform, so a misaligned window changes q visibly
+    path = tmp_path / "windowed.safetensors"
+    head.save(path)
+    seen = []
+
+    class Recording(ModelDrafter):
+        def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
+            super().observe(sample_id, new_tokens, token_probs, alternatives)
+            self.__dict__.setdefault("written", {}).setdefault(sample_id, []).extend(new_tokens)
+
+        def _root_probs(self, sample_ids):
+            probs = super()._root_probs(sample_ids)
+            seen.extend((list(self.written[s]), row.clone()) for s, row in zip(sample_ids, probs))
+            return probs
+
+    monkeypatch.setitem(DRAFTERS, "model", Recording)
+    llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=14, ignore_eos=True, seed=7),
+                 spec(path, num_candidates=2, max_draft_tokens=3, decision_threshold=0.0), use_tqdm=False)
+    assert llm.last_stats.accepted_tokens > 0 and len(seen) > 6
+    assert {min(len(w), 4) for w, _ in seen} >= {1, 4}
+    trained = DraftHead.load(path).attach(llm.model)
+    for written, q in seen:
+        ids = prompt + written
+        states = llm.engine.sequence_states(ids)[len(prompt) - 1:]
+        # Two answers in one batch, as training lays them out: the window must not reach into the first.
+        data = Sequences(torch.cat([states, states]), torch.tensor(ids[len(prompt) - 1:] * 2),
+                         torch.zeros(2 * states.shape[0]), torch.tensor([0, 1]).repeat_interleave(states.shape[0]))
+        start = torch.tensor([2 * states.shape[0] - 2])  # the root is the newest token of the second answer
+        with torch.no_grad():
+            features = trained.unrolled(*unroll_inputs(data, start, 4, 1))[:, 0]
+            want = torch.softmax(trained.logits(features), -1)[0]
+        torch.testing.assert_close(q, want, atol=1e-5, rtol=1e-4)
+
+
+def test_windows_stay_inside_their_answer():
+    data = Sequences(torch.zeros(7, 2), torch.arange(7), torch.zeros(7), torch.tensor([0, 0, 0, 1, 1, 1, 1]))
+    index, inside = windows(data, torch.tensor([1, 4, 6]), 3)
+    assert index.tolist() == [[0, 0, 1], [2, 3, 4], [4, 5, 6]]
+    assert inside.tolist() == [[False, True, True], [False, True, True], [True, True, True]]
 
 
 def test_training_teaches_the_head_the_target(setup):
@@ -295,6 +350,8 @@ def test_cli_generates_with_a_draft_head_and_refuses_bad_training_options(setup,
     assert "num_candidates" in capsys.readouterr().err
     assert main(["train-draft", "--model", directory, "--questions", "0"]) == 2
     assert "--questions" in capsys.readouterr().err
+    assert main(["train-draft", "--model", directory, "--context", "0"]) == 2
+    assert "--context" in capsys.readouterr().err
 
 
 @pytest.mark.slow
