@@ -85,3 +85,48 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
                 weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
                 assert torch.allclose(out[row, h], weights @ values[h // 2], atol=1e-5)
             row += 1
+
+
+@pytest.mark.parametrize("prompt_slots", [[0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 2, 2], [0, 0, 0, 1, 1, 2], [1, 1, 2, 2, 0, 0]],
+                         ids=["prompt-major-equal", "interleaved", "unequal", "slots-out-of-order"])
+@pytest.mark.parametrize("counts", [[1] * 6, [2, 1, 1, 2, 1, 1]], ids=["plain", "drafted"])
+def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts):
+    """Six samples of three prompts of different lengths, grouped in order, interleaved, in groups
+    of unequal size and with prompt slots out of order (the prompt half scatters them into one
+    padded prompt-major layout): each row attends to its own prompt, its own text and its
+    ancestors, against attention written out key by key."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from multispec.engine.cache import CacheShape, KVCache
+    from multispec.models.config import ModelConfig
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
+                         eos_token_ids=[])
+    gen = torch.Generator().manual_seed(1)
+    cache = KVCache(config, 6 * 10 + 3 * 7, torch.float32)
+    cache.layout(CacheShape(6, 10, 3, 7))
+    for store in (cache.prompt_k, cache.prompt_v, cache.sample_k, cache.sample_v):
+        store.copy_(torch.randn(store.shape, generator=gen))
+    lengths = {0: 7, 1: 4, 2: 6}
+    written = [3, 5, 2, 4, 6, 1]
+    tree = torch.zeros(6, 2, 2, dtype=torch.bool)
+    tree[:, 0, 0] = tree[:, 1, 1] = tree[:, 1, 0] = True  # a chain: the draft node sees the root
+    layout = StepLayout(counts=torch.tensor(counts), written=torch.tensor(written),
+                        prompt_slot=torch.tensor(prompt_slots), prompt_len=torch.tensor([lengths[s] for s in prompt_slots]),
+                        tree_mask=tree)
+    rows = sum(counts)
+    q = torch.randn(rows, 4, 8, generator=gen)
+    k, v = torch.randn(rows, 2, 8, generator=gen), torch.randn(rows, 2, 8, generator=gen)
+    out = DecodeAttention(cache, layout, split=False).attend(0, q, k, v)
+    row = 0
+    for b, (slot, w, c) in enumerate(zip(prompt_slots, written, counts)):
+        for i in range(c):
+            own = list(range(w + i + 1))
+            keys = torch.cat([cache.prompt_k[0, slot][:, :lengths[slot]], cache.sample_k[0, b][:, own]], 1)
+            values = torch.cat([cache.prompt_v[0, slot][:, :lengths[slot]], cache.sample_v[0, b][:, own]], 1)
+            for h in range(4):
+                weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
+                assert torch.allclose(out[row, h], weights @ values[h // 2], atol=1e-5)
+            row += 1
