@@ -133,6 +133,8 @@ class WindowAttention:
         k, v = k.view(n, -1, *k.shape[1:]), v.view(n, -1, *v.shape[1:])
         self.keys, self.values = k, v
         last = _attend_last(q.view(n, -1, *q.shape[1:])[:, -1], k, v, self.mask)
+        if k.shape[1] == 1:  # the root alone
+            return last
         out = q.new_zeros(n, k.shape[1], *q.shape[1:])
         out[:, -1] = last
         return out.view(q.shape)
@@ -144,8 +146,6 @@ class WindowAttention:
 def _attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q ``[N, heads, D]`` of one row per path over its keys ``[N, L, kv_heads, D]`` (GQA)."""
     groups = q.shape[1] // k.shape[2]
-    if mask is not None and bool(mask.all()):
-        mask = None
     out = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(groups, 2).transpose(1, 2),
                                          v.repeat_interleave(groups, 2).transpose(1, 2),
                                          attn_mask=None if mask is None else mask[:, None, None, :])
@@ -223,6 +223,8 @@ class DraftHead(nn.Module):
         n, c = tokens.shape
         if c > self.config.context:
             raise ValueError(f"a window of {c} pairs is longer than the head's context {self.config.context}")
+        if mask is not None and bool(mask.all()):
+            mask = None  # checked once here, not at every depth that extends the paths
         layer = self.layer
         x = self._inputs(features.reshape(n * c, -1), tokens.reshape(-1))
         positions = torch.arange(self.config.context - c, self.config.context, device=x.device).repeat(n)

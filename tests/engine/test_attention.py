@@ -45,19 +45,24 @@ def test_devices_without_the_fused_kernel_get_the_reference():
 
 
 
+def _config():
+    """One layer, four query heads sharing two kv heads of 8 dimensions."""
+    from multispec.models.config import ModelConfig
+
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
+                       eos_token_ids=[])
+
+
 def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
     """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
     living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
     drafted nodes its mask names and itself, against attention written out key by key."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
-    from multispec.models.config import ModelConfig
-
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
-                         eos_token_ids=[])
+    config = _config()
     gen = torch.Generator().manual_seed(0)
     cache = KVCache(config, 3 * 12 + 5, torch.float32)
     cache.layout(CacheShape(3, 12, 1, 5))
@@ -97,13 +102,7 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts):
     ancestors, against attention written out key by key."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
-    from multispec.models.config import ModelConfig
-
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
-                         eos_token_ids=[])
+    config = _config()
     gen = torch.Generator().manual_seed(1)
     cache = KVCache(config, 6 * 10 + 3 * 7, torch.float32)
     cache.layout(CacheShape(6, 10, 3, 7))
