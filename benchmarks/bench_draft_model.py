@@ -28,6 +28,7 @@ run (median over ``--runs`` runs), the share of a step spent drafting and in the
     python benchmarks/bench_draft_model.py --cells 0 --runs 3     # one request of 4 at a time, median of 3
     python benchmarks/bench_draft_model.py --rows model-w2,model-auto --temperatures 0.7
     python benchmarks/bench_draft_model.py --rows lm-w1 --draft-checkpoint smollm2-135m-instruct --depth 3
+    python benchmarks/bench_draft_model.py --cells 0 --rows model-w2 --draft-head my-head.safetensors
 """
 
 from __future__ import annotations
@@ -51,22 +52,25 @@ ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decis
         "consensus-fixed", "hybrid-fixed", "hybrid", "lm-w1", "lm-w2")
 
 
-def configs(depth: int, checkpoint: str | None = None):
+def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
+    """The rows' settings; ``head``: a draft head file the model and hybrid rows use instead of
+    the one shipped for the model."""
     from multispec import SpecConfig
 
-    fixed = dict(drafter="model", max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
+    fixed = dict(drafter="model", draft_model=head, max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
     return {"none": SpecConfig(),
             "consensus": SpecConfig(drafter="consensus"),
             "model-w1": SpecConfig(num_candidates=1, **fixed),
             "model-w2": SpecConfig(num_candidates=2, **fixed),
             "model-w4": SpecConfig(num_candidates=4, **fixed),
-            "model-w2-decision": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2, adaptive=False),
-            "model-auto": SpecConfig(drafter="model", max_draft_tokens=depth, num_candidates=2),
+            "model-w2-decision": SpecConfig(drafter="model", draft_model=head, max_draft_tokens=depth,
+                                            num_candidates=2, adaptive=False),
+            "model-auto": SpecConfig(drafter="model", draft_model=head, max_draft_tokens=depth, num_candidates=2),
             "consensus-fixed": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=2 * depth,
                                           adaptive=False),
-            "hybrid-fixed": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2, adaptive=False,
-                                       decision_threshold=0.0),
-            "hybrid": SpecConfig(drafter="hybrid", max_draft_tokens=depth, num_candidates=2),
+            "hybrid-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
+                                       adaptive=False, decision_threshold=0.0),
+            "hybrid": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2),
             **({} if checkpoint is None else {
                 f"lm-w{w}": SpecConfig(drafter="model", draft_model=checkpoint, num_candidates=w,
                                        max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
@@ -74,12 +78,12 @@ def configs(depth: int, checkpoint: str | None = None):
 
 
 def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: bool, rows, runs: int, depth: int,
-             max_tokens: int, checkpoint: str | None = None) -> dict:
+             max_tokens: int, checkpoint: str | None = None, head: str | None = None) -> dict:
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
     conversations = [p.chat() for p in load_gsm8k(limit=questions)]
-    specs = configs(depth, checkpoint)
+    specs = configs(depth, checkpoint, head)
     results: dict[str, list[dict]] = {}
     for run in range(runs):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
@@ -113,6 +117,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-checkpoint", help="a causal LM drafting for the model (rows lm-w1, lm-w2)")
+    parser.add_argument("--draft-head", help="a draft head file (multispec train-draft) for the model and hybrid "
+                                             "rows, in place of the one shipped for the model")
     args = parser.parse_args()
     rows = list(ROWS) if args.rows is None else ["none"] + [r for r in args.rows.split(",") if r != "none"]
     unknown = [r for r in rows if r not in ROWS]
@@ -126,14 +132,15 @@ def main() -> None:
     from multispec import LLM
 
     llm = LLM(args.model, dtype=args.dtype)
-    print(f"model {args.model} on {llm.device}, {llm.dtype}", file=sys.stderr)
+    print(f"model {args.model} on {llm.device}, {llm.dtype}; draft head {args.draft_head or 'shipped'}",
+          file=sys.stderr)
     if any(r in ("consensus", "model-auto", "hybrid") for r in rows):
         llm.engine.step_costs()  # the adaptive budget's prices, measured before any timing
     table = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for questions, n, one_at_a_time in cells:
             summary = run_cell(llm, questions, n, temperature, one_at_a_time, rows, args.runs, args.depth,
-                               args.max_tokens, args.draft_checkpoint)
+                               args.max_tokens, args.draft_checkpoint, args.draft_head)
             table.append({"questions": questions, "n": n, "one_at_a_time": one_at_a_time,
                           "temperature": temperature, "rows": summary})
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from multispec.models.draft_head import DraftHead, HeadConfig, decision_stats
+from multispec.models.registry import paired_draft_head
 
 
 @dataclass
@@ -197,6 +198,17 @@ def agreement(head: DraftHead, data: Sequences, unroll: int) -> list[dict]:
     return [{key: value / max(1, rows) for key, value in total.items()} for total in totals]
 
 
+def file_agreement(llm, path: Path, data: Sequences, unroll: int) -> list[dict]:
+    """``agreement`` of the head stored at ``path``, loaded as the engine loads it (its weights
+    as stored, computed in float32), on ``data``: how a retrained head is compared with another,
+    the shipped one say, on the same held-out answers."""
+    return agreement(DraftHead.load(path).attach(llm.model), data, unroll)
+
+
+def _depths(figures: list[dict]) -> str:
+    return ", ".join(f"{f['agree']:.3f}" for f in figures)
+
+
 def decision_logs(llm, head_path: Path, problems, depth: int, max_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(stats, label) of every drafted node that was accepted and had a child, drafting held-out
     questions at full depth (decision model off) at T 0.7 and 1.0."""
@@ -316,6 +328,12 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file:
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     head.save(output)
+    shipped = paired_draft_head(llm.model_name)
+    shipped_figures = None
+    if shipped is not None and shipped.resolve() != output.resolve():
+        shipped_figures = file_agreement(llm, shipped, held, config.unroll)
+        log(f"  top-1 per depth on the same held-out answers: this head (as saved) "
+            f"{_depths(file_agreement(llm, output, held, config.unroll))}, the shipped head {_depths(shipped_figures)}")
 
     log(f"decision model: drafting {len(decision_q)} held-out questions at depth {config.decision_depth}")
     llm.engine._heads.pop(output.resolve(), None)
@@ -333,7 +351,7 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file:
     llm.engine._heads.pop(output.resolve(), None)
     elapsed = time.perf_counter() - started
     log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB) in {elapsed / 60:.1f} min")
-    return {"agreement": figures, "coverage": coverage, "threshold": threshold, "decision_rows": len(y),
+    return {"agreement": figures, "shipped_agreement": shipped_figures, "coverage": coverage, "threshold": threshold, "decision_rows": len(y),
             "minutes": elapsed / 60}
 
 

@@ -13,8 +13,8 @@ from scipy.stats import chi2, chisquare, ncx2
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS, ModelDrafter
 from multispec.models.draft_head import DraftHead, HeadConfig
-from multispec.training import (Sequences, TrainConfig, agreement, pick_threshold, teacher_forced, train_head,
-                               unroll_inputs, windows)
+from multispec.training import (Sequences, TrainConfig, agreement, file_agreement, pick_threshold, teacher_forced,
+                               train_head, unroll_inputs, windows)
 from tests.helpers import exact_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
@@ -250,10 +250,12 @@ def test_windows_stay_inside_their_answer():
     assert inside.tolist() == [[False, True, True], [False, True, True], [True, True, True]]
 
 
-def test_training_teaches_the_head_the_target(setup):
+def test_training_teaches_the_head_the_target(setup, tmp_path):
     """A head trained from scratch on the tiny model's own samples agrees with the target's top
     token on held-out samples far more often than before training (the target's top token is the
-    successor of the last one for most positions; an untrained head picks it about 1 in 400)."""
+    successor of the last one for most positions; an untrained head picks it about 1 in 400).
+    Saved and read back as the engine reads it (bf16 weights), it keeps that agreement, which is
+    how ``train-draft`` compares a new head with the shipped one."""
     llm, _, prompt, successor = setup
     torch.manual_seed(0)
     answers = []
@@ -273,6 +275,10 @@ def test_training_teaches_the_head_the_target(setup):
     assert before[0]["agree"] < 0.1
     assert after[0]["agree"] > 0.5 and after[1]["agree"] > 0.3
     assert after[0]["accept"] > before[0]["accept"] + 0.3
+    model.save(tmp_path / "trained.safetensors")
+    saved = file_agreement(llm, tmp_path / "trained.safetensors", held, 2)
+    for depth in range(2):
+        assert abs(saved[depth]["agree"] - after[depth]["agree"]) < 0.05
 
 
 def test_threshold_keeps_the_accepted_children():
