@@ -67,6 +67,13 @@ class Scheduler:
         its samples take the next sample slots once the caller creates and places them."""
         admitted: list[Request] = []
         reserved = 0
+        if self.waiting and self.cache.shape is not None and self.idle():
+            # Nothing runs: a layout left by earlier requests (8 prompts of 16 samples, say) may
+            # hold too few prompt or sample slots for what waits now (64 prompts of 2), which would
+            # then run in waves, each to its end. Lay out again where that admits more at once.
+            shape = self.plan()
+            if _admissible(self.waiting, shape) > _admissible(self.waiting, self.cache.shape):
+                self.cache.layout(shape)
         while self.waiting:
             head = self.waiting[0]
             if not self.fits_layout(head):
@@ -131,3 +138,14 @@ class Scheduler:
             if request.unfinished == 0:
                 self.cache.release_prompt_slot(request.prompt_slot)
         return dropped
+
+
+def _admissible(waiting, shape: CacheShape) -> int:
+    """How many of the waiting requests, in arrival order, an empty cache of ``shape`` takes at once."""
+    count, samples = 0, 0
+    for request in waiting:
+        if (count == shape.prompt_slots or samples + request.n > shape.sample_slots
+                or request.prompt_len > shape.prompt_capacity or request.sample_need > shape.sample_capacity):
+            break
+        count, samples = count + 1, samples + request.n
+    return count

@@ -111,3 +111,33 @@ def test_a_request_too_big_for_the_layout_waits_for_the_engine_to_drain():
     finish(s, small)
     assert s.admit() == [big, after]  # laid out again, for both
     assert s.cache.shape.prompt_capacity >= 2000
+
+
+def test_an_idle_cache_is_laid_out_again_when_that_admits_more_of_what_waits():
+    """A layout planned for one request of 16 samples keeps 30 prompt slots here; 40 requests of 2
+    that come after it must not run in two waves (30, then 10 once those end) when a new layout
+    takes all 40 at once. While anything runs, the layout stays as it is."""
+    s = scheduler(100_000)
+    first = request(16, 200, 100, "first")
+    s.waiting.append(first)
+    run(s, s.admit())
+    small = [request(2, 200, 100, str(i)) for i in range(40)]
+    s.waiting.extend(small)
+    kept = s.cache.shape
+    assert kept.prompt_slots < 41  # the first request's layout cannot hold all of them beside it
+    running = s.admit()
+    assert s.cache.shape == kept and len(running) == kept.prompt_slots - 1
+    run(s, running)
+    finish(s, first)
+    for r in running:
+        finish(s, r)
+    rest = s.admit()
+    assert rest == small[len(running):]  # everything left, in arrival order
+
+    s = scheduler(100_000)
+    s.waiting.append(request(16, 200, 100, "first"))
+    only = s.admit()
+    run(s, only)
+    finish(s, only[0])
+    s.waiting.extend(small)
+    assert s.admit() == small and s.cache.shape.prompt_slots >= 40
