@@ -158,12 +158,16 @@ class DraftBudget:
         self.idle += 1
         return False
 
-    def select(self, trees: list[DraftTree], context: int, others: int = 0) -> list[DraftTree]:
+    def select(self, trees: list[DraftTree], context: int, others: int = 0, drafting: float = 0.0) -> list[DraftTree]:
         """Keep, across the whole batch, the draft nodes that maximise expected tokens per second.
 
         ``context``: keys the step's attention reads per query row (longest prompt plus longest
         sample cache); ``others``: samples of the step this budget does not draft for (other
-        lanes), each one token of the step's cost and of its gain."""
+        lanes), each one token of the step's cost and of its gain. ``drafting``: seconds a draft
+        model spent building these trees. Spent already, it does not change which nodes are
+        kept; but a step whose kept nodes do not repay it on top of their forward counts as one
+        that kept nothing, so a draft model that costs more than it gains is asked only now and
+        then (``IDLE_STEPS``), as drafts that do not pay are."""
         own = len(trees)
         batch = own + others
         candidates = []  # (-chance, depth, sample, node)
@@ -180,17 +184,20 @@ class DraftBudget:
         candidates.sort()
         seconds = self.costs.seconds
         counts = [1] * own
-        qmax, drafting, gained = 1, 0, float(batch)
-        keep, best_rate = 0, MARGIN * batch / seconds(batch, batch, 1, context)
+        qmax, samples_drafting, gained = 1, 0, float(batch)
+        plain = batch / seconds(batch, batch, 1, context)
+        keep, best_rate, paid = 0, MARGIN * plain, False
         for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
             gained -= neg_chance
-            drafting += counts[b] == 1
+            samples_drafting += counts[b] == 1
             counts[b] += 1
             qmax = max(qmax, counts[b])
-            rate = gained / seconds(batch + k, batch, qmax, context, drafting)
+            step = seconds(batch + k, batch, qmax, context, samples_drafting)
+            rate = gained / step
             if rate > best_rate:
                 keep, best_rate = k, rate
-        self.idle = 0 if keep else self.idle + 1
+                paid = gained / (step + drafting) > plain
+        self.idle = 0 if paid else self.idle + 1
         kept: list[list[int]] = [[] for _ in trees]
         for _, _, b, i in candidates[:keep]:
             kept[b].append(i)

@@ -428,10 +428,12 @@ class LLMEngine:
             model_time = getattr(lane.drafter, "model_time", None)
             model_forwards = getattr(lane.drafter, "model_forwards", 0)
             proposed = self._propose(lane, samples, budgets, uniforms, changed)
+            spent = 0.0
             if model_time is not None:
-                self.stats.time_draft_model += lane.drafter.model_time - model_time
+                spent = lane.drafter.model_time - model_time
+                self.stats.time_draft_model += spent
                 self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
-            for b, tree in zip(members, lane.select(proposed, len(slots), context)):
+            for b, tree in zip(members, lane.select(proposed, len(slots), context, spent)):
                 trees[b] = tree
         return trees
 

@@ -186,3 +186,22 @@ def test_an_idle_budget_stops_asking_for_the_targets_likeliest_tokens():
     assert not lane.wants_alternatives()
     assert Lane(SpecConfig(drafter="consensus", adaptive=False), 400).wants_alternatives()
     assert not Lane(SpecConfig(drafter="ngram"), 400, lambda: PRICES).wants_alternatives()
+
+
+def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_probe():
+    """Sure nodes on an overhead-bound step are kept whatever the draft model spent on them (that
+    time is gone), but when their gain does not repay it the step counts as one that kept nothing,
+    so after ``IDLE_STEPS`` such steps the draft model runs only on probes. Cheap drafting (sibling
+    text: no model time) keeps the drafter asked every step."""
+    prices = costs(fixed=0.05, per_token=0.001)
+    trees = [chain([0.9])] + [DraftTree.EMPTY] * 7  # about 0.9 tokens gained on a step of ~0.06 s
+    cheap, dear = DraftBudget(4, prices), DraftBudget(4, prices)
+    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
+        assert cheap.wants_drafts()
+        assert len(cheap.select(trees, CONTEXT, drafting=0.0)[0]) == 1
+    asked = 0
+    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
+        if dear.wants_drafts():
+            asked += 1
+            assert len(dear.select(trees, CONTEXT, drafting=0.05)[0]) == 1  # kept: already drafted
+    assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
