@@ -351,8 +351,8 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file:
     llm.engine._heads.pop(output.resolve(), None)
     elapsed = time.perf_counter() - started
     log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB) in {elapsed / 60:.1f} min")
-    return {"agreement": figures, "shipped_agreement": shipped_figures, "coverage": coverage, "threshold": threshold, "decision_rows": len(y),
-            "minutes": elapsed / 60}
+    return {"agreement": figures, "shipped_agreement": shipped_figures, "coverage": coverage, "threshold": threshold,
+            "decision_rows": len(y), "minutes": elapsed / 60}
 
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")

@@ -53,9 +53,7 @@ class Scheduler:
                 f"or raise the cap")
 
     def fits_layout(self, request: Request) -> bool:
-        shape = self.cache.shape
-        return (shape is not None and request.prompt_len <= shape.prompt_capacity
-                and request.sample_need <= shape.sample_capacity and request.n <= shape.sample_slots)
+        return self.cache.shape is not None and _fits(request, self.cache.shape)
 
     def idle(self) -> bool:
         """No slot in use: the cache may be laid out again."""
@@ -67,19 +65,18 @@ class Scheduler:
         its samples take the next sample slots once the caller creates and places them."""
         admitted: list[Request] = []
         reserved = 0
-        if self.waiting and self.cache.shape is not None and self.idle():
-            # Nothing runs: a layout left by earlier requests (8 prompts of 16 samples, say) may
-            # hold too few prompt or sample slots for what waits now (64 prompts of 2), which would
-            # then run in waves, each to its end. Lay out again where that admits more at once.
-            shape = self.plan()
-            if _admissible(self.waiting, shape) > _admissible(self.waiting, self.cache.shape):
+        if self.waiting and self.idle():
+            # Nothing runs, so the cache may be laid out again: where it has no layout yet, where
+            # what waits first does not fit it, and where a layout left by earlier requests (8
+            # prompts of 16 samples, say) holds too few prompt or sample slots for what waits now
+            # (64 prompts of 2), which would then run in waves, each to its end.
+            shape, current = self.plan(), self.cache.shape
+            if current is None or _admissible(self.waiting, shape) > _admissible(self.waiting, current):
                 self.cache.layout(shape)
         while self.waiting:
             head = self.waiting[0]
-            if not self.fits_layout(head):
-                if admitted or not self.idle():
-                    break
-                self.cache.layout(self.plan())
+            if not self.fits_layout(head):  # bigger than the layout in use: waits for it to drain
+                break
             if not self.cache.free_prompt_slots or len(self.slots) + reserved + head.n > self.cache.shape.sample_slots:
                 break
             self.waiting.popleft()
@@ -140,12 +137,17 @@ class Scheduler:
         return dropped
 
 
+def _fits(request: Request, shape: CacheShape) -> bool:
+    """Whether ``request`` could run in a cache of ``shape`` (its slots large enough, enough of them)."""
+    return (request.prompt_len <= shape.prompt_capacity and request.sample_need <= shape.sample_capacity
+            and request.n <= shape.sample_slots)
+
+
 def _admissible(waiting, shape: CacheShape) -> int:
     """How many of the waiting requests, in arrival order, an empty cache of ``shape`` takes at once."""
     count, samples = 0, 0
     for request in waiting:
-        if (count == shape.prompt_slots or samples + request.n > shape.sample_slots
-                or request.prompt_len > shape.prompt_capacity or request.sample_need > shape.sample_capacity):
+        if count == shape.prompt_slots or samples + request.n > shape.sample_slots or not _fits(request, shape):
             break
         count, samples = count + 1, samples + request.n
     return count
