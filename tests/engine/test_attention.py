@@ -3,7 +3,10 @@
 import pytest
 import torch
 
+from multispec import kernels
 from multispec.engine.attention import _FLASH_CPU, _fused_kernel, _reference_kernel, kernel_for
+
+COMPILED = kernels.decode_attention() is not None
 
 
 @pytest.mark.skipif(_FLASH_CPU is None, reason="this torch has no fused CPU attention kernel")
@@ -57,6 +60,7 @@ def _config():
 
 
 def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
+    # (a step with scratch positions always takes the portable path)
     """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
     living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
     drafted nodes its mask names and itself, against attention written out key by key."""
@@ -95,7 +99,8 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
 @pytest.mark.parametrize("prompt_slots", [[0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 2, 2], [0, 0, 0, 1, 1, 2], [1, 1, 2, 2, 0, 0]],
                          ids=["prompt-major-equal", "interleaved", "unequal", "slots-out-of-order"])
 @pytest.mark.parametrize("counts", [[1] * 6, [2, 1, 1, 2, 1, 1]], ids=["plain", "drafted"])
-def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "portable"])
+def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, compiled):
     """Six samples of three prompts of different lengths, grouped in order, interleaved, in groups
     of unequal size and with prompt slots out of order (the prompt half scatters them into one
     padded prompt-major layout): each row attends to its own prompt, its own text and its
@@ -118,7 +123,9 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts):
     rows = sum(counts)
     q = torch.randn(rows, 4, 8, generator=gen)
     k, v = torch.randn(rows, 2, 8, generator=gen), torch.randn(rows, 2, 8, generator=gen)
-    out = DecodeAttention(cache, layout, split=False).attend(0, q, k, v)
+    attention = DecodeAttention(cache, layout, split=False, compiled=compiled)
+    assert (attention.op is not None) == (compiled and COMPILED)
+    out = attention.attend(0, q, k, v)
     row = 0
     for b, (slot, w, c) in enumerate(zip(prompt_slots, written, counts)):
         for i in range(c):
@@ -129,3 +136,69 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts):
                 weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
                 assert torch.allclose(out[row, h], weights @ values[h // 2], atol=1e-5)
             row += 1
+
+
+def _smollm_shape():
+    """One layer of the default model's attention: nine query heads sharing three kv heads of 64."""
+    from multispec.models.config import ModelConfig
+
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=576, intermediate_size=8,
+                       num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
+                       eos_token_ids=[])
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
+@pytest.mark.parametrize("in_slots", [False, True], ids=["packed", "slots"])
+def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots):
+    """The compiled decode attention against the portable path in float64 on the same cache: six
+    samples of three prompts, plain roots, a chain of 17 nodes (more than one block of 16 keys), a
+    branching tree, two roots side by side, samples in packed slots and in slots out of order.
+    The bf16 bound is the rounding of the output (values reach about 8: 2**-6 relative)."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from multispec.engine.cache import CacheShape, KVCache
+    from tests.helpers import tree_mask_of
+
+    config = _smollm_shape()
+    gen = torch.Generator().manual_seed(3)
+    shape = CacheShape(7, 80, 3, 50)
+    cache, exact = KVCache(config, shape.tokens(), dtype), KVCache(config, shape.tokens(), torch.float64)
+    cache.layout(shape)
+    exact.layout(shape)
+    for name in ("prompt_k", "prompt_v", "sample_k", "sample_v"):
+        getattr(cache, name).copy_(torch.randn(getattr(cache, name).shape, generator=gen) * 2)
+        getattr(exact, name).copy_(getattr(cache, name))
+    trees = [[], [-1, 0, 0], [-1], [-1, -1, 0, 1, 2], [], list(range(-1, 16))]
+    counts = [1 + len(t) for t in trees]
+    layout = StepLayout(torch.tensor(counts), torch.tensor([3, 17, 40, 0, 33, 21]), torch.tensor([0, 1, 0, 2, 2, 1]),
+                        torch.tensor([50, 7, 50, 31, 31, 7]), tree_mask_of(trees),
+                        slots=torch.tensor([6, 2, 0, 5, 1, 3]) if in_slots else None)
+    rows = sum(counts)
+    q = (torch.randn(rows, 9, 64, generator=gen) * 2).to(dtype)
+    k, v = (torch.randn(rows, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    compiled = DecodeAttention(cache, layout)
+    assert compiled.op is not None
+    out = compiled.attend(0, q, k, v)
+    want = DecodeAttention(exact, layout, split=False, compiled=False).attend(0, q.double(), k.double(), v.double())
+    assert out.dtype == dtype
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
+    slots = layout.slots.tolist() if in_slots else list(range(len(counts)))
+    row = 0
+    for slot, written, count in zip(slots, layout.written.tolist(), counts):  # the new keys were written in place
+        assert torch.equal(cache.sample_k[0, slot, :, written:written + count], k[row:row + count].transpose(0, 1))
+        assert torch.equal(cache.sample_v[0, slot, :, written:written + count], v[row:row + count].transpose(0, 1))
+        row += count
+
+
+def test_compiled_kernel_is_built_where_a_compiler_is(monkeypatch):
+    """Where the machine has a C++ compiler and ninja, the kernel builds (a silent fallback would
+    hide a slower engine); MULTISPEC_KERNELS=0 turns it off."""
+    import shutil
+
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja here: the portable path is the engine's")
+    assert COMPILED
+    monkeypatch.setenv("MULTISPEC_KERNELS", "0")
+    assert kernels.decode_attention() is None

@@ -1,0 +1,384 @@
+// Decode-step attention over the two-level KV cache, for the CPU: one pass per (sample, kv head).
+//
+// Each sample's query rows (its root and draft nodes, times the query heads that share a kv head)
+// attend to its prompt's keys and to its own keys in one softmax: the prompt slot's keys
+// 0..prompt_len-1, the own slot's keys 0..written-1, and of the step's new keys (written ..
+// written+count-1) those the tree mask marks as ancestors-or-self. Scores, softmax and the
+// weighted sum of values are float32 whatever the cache's dtype; one sample's result does not
+// depend on the other samples of the step (no padding, no batch-dependent blocking). The step's
+// new keys and values are written into the sample slots by the same pass.
+//
+// The generic kernels this replaces pay a fixed cost per (sample, kv head) matrix and per call
+// (two calls a layer, then a log-sum-exp merge); here every key and value is read once per
+// (sample, kv head) with all its query rows, and the prompt's keys stay in cache across samples.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint16_t raw;
+  std::memcpy(&raw, &x, sizeof(raw));
+  uint32_t bits = static_cast<uint32_t>(raw) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power, set
+// in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5] (relative error below 2e-7).
+// Written as plain arithmetic so that the compiler vectorises the loops that call it.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = (y - n) * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Sixteen vectors of partial sums -> one vector whose lane t is the full sum of v[t].
+inline __m512 sum_lanes16(__m512 v[16]) {
+  __m512 z[8], w[4], u[2];
+  for (int p = 0; p < 8; ++p)  // 256-bit halves: z[p] = [v(2p) folded | v(2p+1) folded]
+    z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int r = 0; r < 4; ++r)  // 128-bit lanes: w[r] = [v(4r), v(4r+1), v(4r+2), v(4r+3)], 4 partials each
+    w[r] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * r], z[2 * r + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * r], z[2 * r + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int s = 0; s < 2; ++s)  // lane l: two partials of v(8s+l) and v(8s+4+l), interleaved
+    u[s] = _mm512_add_ps(_mm512_unpacklo_ps(w[2 * s], w[2 * s + 1]), _mm512_unpackhi_ps(w[2 * s], w[2 * s + 1]));
+  // lane l, element m: the full sum of v(4m + l)
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// Scores of bf16 query rows against ``count`` bf16 keys (row stride ``step``), scaled, into
+// scores[i * stride + j]: pairs of bf16 products summed in float32 (AVX512-BF16), sixteen keys at
+// a time so that one shuffle tree finishes sixteen dot products.
+inline void score_keys_bf16(const c10::BFloat16* q, int64_t q_stride, int64_t rows, int64_t dim,
+                            const c10::BFloat16* keys, int64_t step, int64_t count, float scale, float* scores,
+                            int64_t stride) {
+  const int64_t pairs = dim / 32;
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512bh qv[8];
+    for (int64_t c = 0; c < pairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * q_stride + 32 * c);
+    float* out = scores + i * stride;
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        const c10::BFloat16* key = keys + (j + t) * step;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < pairs; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+        acc[t] = a;
+      }
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(sum_lanes16(acc), scaled));
+    }
+    for (; j < count; ++j) {
+      const c10::BFloat16* key = keys + j * step;
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < pairs; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+      out[j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+#endif
+
+// scores[i * stride + col] = q_i . key for every query row i whose ``seen(i)``, -inf elsewhere.
+template <typename scalar_t, typename Seen>
+inline void score_key(const float* qf, int64_t rows, int64_t dim, const scalar_t* key, float* key_buf, float* scores,
+                      int64_t stride, Seen seen) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= 256) {
+    __m512 k[16];
+    const int64_t chunks = dim / 16;
+    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!seen(i)) {
+        scores[i * stride] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const float* qi = qf + i * dim;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), k[0]);
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), k[c], acc);
+      scores[i * stride] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  load_row(key, key_buf, dim);
+  for (int64_t i = 0; i < rows; ++i)
+    scores[i * stride] = seen(i) ? dot(qf + i * dim, key_buf, dim) : -std::numeric_limits<float>::infinity();
+}
+
+// acc_i += sum_j weights[i * stride + j] * value_j for the ``count`` value rows at ``values`` (row
+// stride ``step``), for every query row i: four query rows at a time, their sums held in registers
+// while the value rows stream past.
+template <typename scalar_t>
+inline void add_values(const float* weights, int64_t rows, int64_t stride, int64_t dim, const scalar_t* values,
+                       int64_t step, int64_t count, float* value_buf, float* acc) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= 128) {
+    const int64_t chunks = dim / 16;
+    for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+      const int64_t block = std::min<int64_t>(4, rows - i0);
+      __m512 sum[4][8];
+      for (int64_t r = 0; r < block; ++r)
+        for (int64_t c = 0; c < chunks; ++c) sum[r][c] = _mm512_loadu_ps(acc + (i0 + r) * dim + 16 * c);
+      for (int64_t j = 0; j < count; ++j) {
+        __m512 v[8];
+        for (int64_t c = 0; c < chunks; ++c) v[c] = load16(values + j * step + 16 * c);
+        for (int64_t r = 0; r < block; ++r) {
+          const __m512 w = _mm512_set1_ps(weights[(i0 + r) * stride + j]);
+          for (int64_t c = 0; c < chunks; ++c) sum[r][c] = _mm512_fmadd_ps(w, v[c], sum[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < block; ++r)
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + (i0 + r) * dim + 16 * c, sum[r][c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) {
+    load_row(values + j * step, value_buf, dim);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float w = weights[i * stride + j];
+      if (w == 0.0f) continue;
+      float* a = acc + i * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += w * value_buf[d];
+    }
+  }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& own_k, const at::Tensor& own_v, const at::Tensor& prompt_k,
+         const at::Tensor& prompt_v, const int64_t* sample_slot, const int64_t* offsets, const int64_t* counts,
+         const int64_t* written, const int64_t* prompt_slot, const int64_t* prompt_len, const bool* tree_mask,
+         int64_t batch, int64_t qmax, double scale, at::Tensor& out) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = own_k.size(1), group = heads / kv_heads;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* okp = own_k.data_ptr<scalar_t>();
+  const scalar_t* ovp = own_v.data_ptr<scalar_t>();
+  const scalar_t* pkp = prompt_k.data_ptr<scalar_t>();
+  const scalar_t* pvp = prompt_v.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const scalar_t* knp = k_new.data_ptr<scalar_t>();
+  const scalar_t* vnp = v_new.data_ptr<scalar_t>();
+  scalar_t* own_k_out = own_k.data_ptr<scalar_t>();
+  scalar_t* own_v_out = own_v.data_ptr<scalar_t>();
+  const int64_t kn0 = k_new.stride(0), kn1 = k_new.stride(1), vn0 = v_new.stride(0), vn1 = v_new.stride(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t os0 = own_k.stride(0), os1 = own_k.stride(1), os2 = own_k.stride(2);
+  const int64_t ovs0 = own_v.stride(0), ovs1 = own_v.stride(1), ovs2 = own_v.stride(2);
+  const int64_t ps0 = prompt_k.stride(0), ps1 = prompt_k.stride(1), ps2 = prompt_k.stride(2);
+  const int64_t pvs0 = prompt_v.stride(0), pvs1 = prompt_v.stride(1), pvs2 = prompt_v.stride(2);
+  const int64_t out0 = out.stride(0), out1 = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Scores straight from the bf16 rows with AVX512-BF16 dot products where the CPU has them.
+  bool fast = false;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  fast = std::is_same_v<scalar_t, c10::BFloat16> && dim % 32 == 0 && dim <= 256 && qs1 == dim;
+#endif
+
+  auto work = [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, row_buf(dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t count = counts[b], old = written[b], plen = prompt_len[b];
+      const int64_t rows = count * group, own_len = old + count, keys = plen + own_len;
+      qf.resize(rows * dim);
+      scores.resize(rows * keys);
+      acc.assign(rows * dim, 0.0f);
+      // The step's new keys and values go into the sample's slot first (this item alone writes
+      // this (sample, kv head)).
+      for (int64_t r = 0; r < count; ++r) {
+        std::memcpy(own_k_out + sample_slot[b] * os0 + h * os1 + (old + r) * os2,
+                    knp + (offsets[b] + r) * kn0 + h * kn1, dim * sizeof(scalar_t));
+        std::memcpy(own_v_out + sample_slot[b] * ovs0 + h * ovs1 + (old + r) * ovs2,
+                    vnp + (offsets[b] + r) * vn0 + h * vn1, dim * sizeof(scalar_t));
+      }
+      // Queries as float32, scaled: row i = (node r, head g) of query head h * group + g (the
+      // bf16 path reads them as they are).
+      if (!fast) {
+        for (int64_t r = 0; r < count; ++r) {
+          for (int64_t g = 0; g < group; ++g) {
+            const scalar_t* src = qp + (offsets[b] + r) * qs0 + (h * group + g) * qs1;
+            float* dst = qf.data() + (r * group + g) * dim;
+            load_row(src, dst, dim);
+            for (int64_t d = 0; d < dim; ++d) dst[d] *= fscale;
+          }
+        }
+      }
+      // Scores against the prompt's keys, then the sample's own.
+      const scalar_t* pk = pkp + prompt_slot[b] * ps0 + h * ps1;
+      const scalar_t* ok = okp + sample_slot[b] * os0 + h * os1;
+      const bool* mask = tree_mask + b * qmax * qmax;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (fast) {
+          for (int64_t r = 0; r < count; ++r) {  // one node's query heads are adjacent rows
+            const scalar_t* qrow = qp + (offsets[b] + r) * qs0 + h * group * qs1;
+            float* s = scores.data() + r * group * keys;
+            score_keys_bf16(qrow, qs1, group, dim, pk, ps2, plen, fscale, s, keys);
+            score_keys_bf16(qrow, qs1, group, dim, ok, os2, own_len, fscale, s + plen, keys);
+          }
+          for (int64_t i = 0; i < rows; ++i)  // new keys outside the row's ancestors
+            for (int64_t node = 0; node < count; ++node)
+              if (!mask[(i / group) * qmax + node]) scores[i * keys + plen + old + node] = neg_inf;
+        }
+      }
+#endif
+      if (!fast) {
+        auto all = [](int64_t) { return true; };
+        for (int64_t j = 0; j < plen; ++j)
+          score_key(qf.data(), rows, dim, pk + j * ps2, row_buf.data(), scores.data() + j, keys, all);
+        for (int64_t j = 0; j < old; ++j)
+          score_key(qf.data(), rows, dim, ok + j * os2, row_buf.data(), scores.data() + plen + j, keys, all);
+        for (int64_t node = 0; node < count; ++node) {
+          auto seen = [&](int64_t i) { return mask[(i / group) * qmax + node]; };
+          score_key(qf.data(), rows, dim, ok + (old + node) * os2, row_buf.data(), scores.data() + plen + old + node,
+                    keys, seen);
+        }
+      }
+      // Softmax per row (every row sees at least its own new key, so its maximum is finite).
+      std::vector<float> totals(rows);
+      for (int64_t i = 0; i < rows; ++i) {
+        float* s = scores.data() + i * keys;
+        float top = neg_inf;
+        for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < keys; ++j) {
+          const float e = s[j] == neg_inf ? 0.0f : exp_nonpositive(s[j] - top);
+          s[j] = e;
+          total += e;
+        }
+        totals[i] = total;
+      }
+      // Weighted sum of values, each value row read once for all query rows.
+      add_values(scores.data(), rows, keys, dim, pvp + prompt_slot[b] * pvs0 + h * pvs1, pvs2, plen, row_buf.data(),
+                 acc.data());
+      add_values(scores.data() + plen, rows, keys, dim, ovp + sample_slot[b] * ovs0 + h * ovs1, ovs2, own_len,
+                 row_buf.data(), acc.data());
+      for (int64_t r = 0; r < count; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = r * group + g;
+          const float inv = 1.0f / totals[i];
+          scalar_t* dst = op + (offsets[b] + r) * out0 + (h * group + g) * out1;
+          const float* a = acc.data() + i * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+        }
+      }
+    }
+  };
+  at::parallel_for(0, batch * kv_heads, 1, work);
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t batch) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == batch && t.is_contiguous(), name,
+              " must be a contiguous int64 vector with one entry per sample");
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            const at::Tensor& own_k, const at::Tensor& own_v,
+                            const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
+                            const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
+                            const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
+                            const at::Tensor& tree_mask, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && own_k.dim() == 4 && own_v.dim() == 4 && prompt_k.dim() == 4 && prompt_v.dim() == 4,
+              "q is [tokens, heads, dim], the caches [slots, kv_heads, positions, dim]");
+  TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
+                  k_new.size(1) == own_k.size(1) && v_new.size(1) == own_k.size(1),
+              "k_new and v_new are [tokens, kv_heads, dim]");
+  for (const at::Tensor* t : {&q, &k_new, &v_new, &own_k, &own_v, &prompt_k, &prompt_v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q and the caches must share a dtype");
+    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == q.size(2), "the last dimension must be contiguous head_dim");
+  }
+  TORCH_CHECK(q.size(1) % own_k.size(1) == 0, "query heads must be a multiple of kv heads");
+  const int64_t batch = counts.size(0);
+  for (auto [t, name] : {std::pair{&sample_slot, "sample_slot"}, {&offsets, "offsets"}, {&counts, "counts"},
+                         {&written, "written"}, {&prompt_slot, "prompt_slot"}, {&prompt_len, "prompt_len"}})
+    check_index(*t, name, batch);
+  TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.dim() == 3 && tree_mask.size(0) == batch &&
+                  tree_mask.size(1) == tree_mask.size(2) && tree_mask.is_contiguous(),
+              "tree_mask must be a contiguous bool [samples, qmax, qmax]");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       run<float>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
+                                  offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                  written.data_ptr<int64_t>(), prompt_slot.data_ptr<int64_t>(),
+                                  prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(), batch,
+                                  tree_mask.size(1), scale, out);
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       run<c10::BFloat16>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
+                                          offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                          written.data_ptr<int64_t>(), prompt_slot.data_ptr<int64_t>(),
+                                          prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(),
+                                          batch, tree_mask.size(1), scale, out);
+                     }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(multispec, m) {
+  m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) own_k, Tensor(b!) own_v, Tensor prompt_k, Tensor prompt_v, "
+        "Tensor sample_slot, Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, "
+        "Tensor prompt_len, Tensor tree_mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &decode_attention); }
