@@ -44,9 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 2
+FORMAT = 3
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
-prepacked weights, so prices measured before are stale)."""
+prepacked weights, so prices measured before are stale; 3: the compiled CPU attention)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
 PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -381,11 +381,14 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     """What the step costs depend on: the model, its dtype and device, the machine, the software."""
     from multispec import __version__
 
+    from multispec import kernels
+
     device = engine.device
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    compiled = device.type == "cpu" and kernels.decode_attention() is not None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "multispec": __version__}
+            "torch": torch.__version__, "multispec": __version__, "compiled_attention": compiled}
 
 
 def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:
