@@ -113,12 +113,8 @@ class DecodeAttention:
         batch, total = counts.numel(), int(counts.sum())
         self.batch, self.qmax, self.total = batch, int(counts.max()), total
         offsets = torch.cumsum(counts, 0) - counts
-        row_sample = torch.repeat_interleave(torch.arange(batch), counts)
-        row_index = torch.arange(total) - offsets[row_sample]
         device = cache.sample_k.device
         in_place = layout.slots is None
-        self.row_sample = (row_sample if in_place else layout.slots[row_sample]).to(device)
-        self.row_cache_pos = (layout.written[row_sample] + row_index).to(device)
         self.op = compiled_kernel(device) if compiled and layout.scratch is None else None
         self.parts: list[_Part] = []
         if self.op is not None:
@@ -127,6 +123,10 @@ class DecodeAttention:
                 slots, offsets, counts, layout.written, layout.prompt_slot, layout.prompt_len)) + (
                 layout.tree_mask.to(device, torch.bool).contiguous(), cache.config.head_dim ** -0.5)
             return
+        row_sample = torch.repeat_interleave(torch.arange(batch), counts)
+        row_index = torch.arange(total) - offsets[row_sample]
+        self.row_sample = (row_sample if in_place else layout.slots[row_sample]).to(device)
+        self.row_cache_pos = (layout.written[row_sample] + row_index).to(device)
         drafting = torch.nonzero(counts > 1).flatten()
         if split is None:
             split = split_step(batch, self.qmax, drafting.numel(), total)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from multispec.engine.attention import split_step
+from multispec.engine.attention import compiled_kernel, split_step
 
 if TYPE_CHECKING:
     from multispec.engine.engine import LLMEngine
@@ -381,11 +381,9 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     """What the step costs depend on: the model, its dtype and device, the machine, the software."""
     from multispec import __version__
 
-    from multispec import kernels
-
     device = engine.device
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
-    compiled = device.type == "cpu" and kernels.decode_attention() is not None
+    compiled = compiled_kernel(device) is not None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "multispec": __version__, "compiled_attention": compiled}

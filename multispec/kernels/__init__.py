@@ -3,7 +3,7 @@
 The decode step's attention over the two-level cache (``decode_attention.cpp``) is the one kernel:
 the generic fused attention pays a fixed cost per (sample, kv head) matrix and per call that
 dominates small decode steps on a CPU. It is compiled once per machine, torch version and source
-(about half a minute) into the cache directory (``MULTISPEC_CACHE``, default
+(about 10 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
 ``~/.cache/multispec``) with ``-O3 -march=native``. Where it cannot be built (no compiler, no
 ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns the
 kernel off.
@@ -36,22 +36,13 @@ def enabled() -> bool:
 
 
 def _build_dir() -> Path:
+    from multispec.engine.costs import machine
     from multispec.models.loading import default_cache_dir
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + torch.__version__.encode()
-                         + platform.machine().encode() + _cpu_name().encode()).hexdigest()[:16]
+                         + platform.machine().encode() + machine().encode()).hexdigest()[:16]
     return default_cache_dir() / "kernels" / key
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def decode_attention():
@@ -84,7 +75,7 @@ def _load():
     if library.exists():
         torch.ops.load_library(str(library))
     else:
-        log.info("compiling the CPU attention kernel once for this machine (about half a minute)")
+        log.info("compiling the CPU attention kernel once for this machine (about 10 seconds on a 2-core CPU)")
         cpp_extension.load(name="multispec_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                            verbose=False)

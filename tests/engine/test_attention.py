@@ -48,15 +48,15 @@ def test_devices_without_the_fused_kernel_get_the_reference():
 
 
 
-def _config():
-    """One layer, four query heads sharing two kv heads of 8 dimensions."""
+def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int = 64):
+    """One attention layer; by default four query heads sharing two kv heads of 8 dimensions."""
     from multispec.models.config import ModelConfig
 
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=32, intermediate_size=8,
-                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
-                       eos_token_ids=[])
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=heads * head_dim,
+                       intermediate_size=8, num_hidden_layers=1, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=positions,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                       attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_ids=[])
 
 
 def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
@@ -138,17 +138,6 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, c
             row += 1
 
 
-def _smollm_shape():
-    """One layer of the default model's attention: nine query heads sharing three kv heads of 64."""
-    from multispec.models.config import ModelConfig
-
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=576, intermediate_size=8,
-                       num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                       tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=None,
-                       eos_token_ids=[])
-
-
 @pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
 @pytest.mark.parametrize("in_slots", [False, True], ids=["packed", "slots"])
@@ -161,7 +150,7 @@ def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
-    config = _smollm_shape()
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)  # the default model's shape
     gen = torch.Generator().manual_seed(3)
     shape = CacheShape(7, 80, 3, 50)
     cache, exact = KVCache(config, shape.tokens(), dtype), KVCache(config, shape.tokens(), torch.float64)
