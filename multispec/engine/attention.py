@@ -136,6 +136,15 @@ class DecodeAttention:
         else:
             self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, contiguous=in_place)]
 
+    def kernel_args(self) -> tuple | None:
+        """What the compiled layer stack (``multispec.kernels.decode_layers``) needs to run this
+        step's attention itself: the caches of every layer, then the compiled attention's index
+        tensors; None where the step runs the portable path."""
+        if self.op is None:
+            return None
+        cache = self.cache
+        return (cache.sample_k, cache.sample_v, cache.prompt_k, cache.prompt_v) + self.op_args
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         if self.op is not None:  # writes k and v into the sample slots itself

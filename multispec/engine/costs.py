@@ -44,9 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 3
+FORMAT = 4
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
-prepacked weights, so prices measured before are stale; 3: the compiled CPU attention)."""
+prepacked weights, so prices measured before are stale; 3: the compiled CPU attention; 4: the
+compiled layer stack)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
 PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -386,7 +387,7 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     compiled = compiled_kernel(device) is not None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "multispec": __version__, "compiled_attention": compiled}
+            "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled}
 
 
 def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:

@@ -331,6 +331,10 @@ void check_index(const at::Tensor& t, const char* name, int64_t batch) {
               " must be a contiguous int64 vector with one entry per sample");
 }
 
+}  // namespace
+
+namespace multispec {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                             const at::Tensor& own_k, const at::Tensor& own_v,
                             const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
@@ -373,7 +377,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   return out;
 }
 
-}  // namespace
+}  // namespace multispec
 
 TORCH_LIBRARY(multispec, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) own_k, Tensor(b!) own_v, Tensor prompt_k, Tensor prompt_v, "
@@ -381,4 +385,4 @@ TORCH_LIBRARY(multispec, m) {
         "Tensor prompt_len, Tensor tree_mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &multispec::decode_attention); }

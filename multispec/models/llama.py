@@ -6,6 +6,11 @@ tokens attend to each other and to cached keys is the business of the ``attentio
 caller passes in (the engine's KV cache); the network only produces q, k, v per layer and
 applies the result. Parameter names match the Hugging Face checkpoints so a state dict loads
 as it is.
+
+A decode step on a CPU where the compiled kernels are built runs the whole layer stack in one call
+(``multispec.kernels.decode_layers``: the same products, norms, rotation and activation, rounded
+where these modules round, with the compiled attention inside); the modules below are the
+reference it is tested against and the path for prefill, other devices and other attentions.
 """
 
 from __future__ import annotations
@@ -220,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.head: Projection | None = None
         self.packed = False
+        self.compiled_layers = True
+        """Run decode steps as one compiled call of the layer stack where the CPU kernels are built
+        (see ``_compiled_stack``); False keeps the layer-by-layer path."""
+        self._stack_weights: tuple | None = None
 
     def output_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
@@ -243,9 +252,38 @@ class LlamaForCausalLM(nn.Module):
         cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos_table[positions], sin_table[positions]
         x = self.model.embed_tokens(token_ids)
+        stack = self._compiled_stack(attention)
+        if stack is not None:
+            op, weights, args = stack
+            return op(x, cos, sin, *weights, *args)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         return self.model.norm(x)
+
+    def _compiled_stack(self, attention: Attention):
+        """(op, weights, attention args) where this forward can run as one compiled call of the
+        whole layer stack (``multispec.kernels.decode_layers``): a decode step on a CPU whose
+        attention runs the compiled kernel, fused products, float32 or bf16; else None."""
+        args_of = getattr(attention, "kernel_args", None)
+        args = args_of() if args_of is not None and self.compiled_layers else None
+        if args is None or not self.model.layers[0].self_attn.fused:
+            return None
+        from multispec import kernels
+
+        op = kernels.decode_layers()
+        if op is None:
+            return None
+        if self._stack_weights is None:
+            layers = self.model.layers
+            products = [(layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down) for layer in layers]
+            config = self.config
+            self._stack_weights = (
+                [layer.input_layernorm.weight for layer in layers],
+                [layer.post_attention_layernorm.weight for layer in layers],
+                *[part for i in range(4) for part in ([p[i].weight for p in products], [p[i].bias for p in products])],
+                self.model.norm.weight, bool(products[0][0].packed), config.num_attention_heads,
+                config.num_key_value_heads, float(config.rms_norm_eps))
+        return op, self._stack_weights, args
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
@@ -261,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse(pack)
         self.head = Projection(self.output_weight(), None, pack=True) if pack else None
         self.packed = pack
+        self._stack_weights = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
