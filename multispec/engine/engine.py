@@ -371,7 +371,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         step = pack(slots, trees, self.device)
         hidden = self.model.hidden_states(step.token_ids, step.positions, DecodeAttention(self.cache, step.layout))
-        logits = self.model.logits(hidden)
+        logits = self.model.logits(hidden, float32=False)  # verification converts as it reads
         self._sync()
         t2 = time.perf_counter()
         lanes = self._lanes_of(slots)

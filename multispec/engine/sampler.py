@@ -34,7 +34,33 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         sub = sub.masked_fill(drop, 0.0)
         probs[rows] = sub / sub.sum(-1, keepdim=True)
+    _one_hot_greedy(probs, logits, greedy)
+    return probs
+
+
+def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``target_probs`` and, where the compiled CPU softmax computes it alongside (rows without
+    top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits; None
+    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly."""
+    op = _compiled_softmax(logits)
+    if op is None or bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        return target_probs(logits, temperature, top_k, top_p), None
+    probs, lse = op(logits.contiguous(), temperature.to(torch.float32).contiguous())
+    _one_hot_greedy(probs, logits, temperature <= 0)
+    return probs, lse
+
+
+def _compiled_softmax(logits: torch.Tensor):
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from multispec import kernels
+
+    return kernels.softmax_rows()
+
+
+def _one_hot_greedy(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor) -> None:
+    """Greedy rows (temperature 0) become one-hot at their argmax, in place."""
     if bool(greedy.any()):
         rows = greedy.nonzero().squeeze(1)
         probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).to(probs.dtype)
-    return probs

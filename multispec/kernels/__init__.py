@@ -1,10 +1,11 @@
 """Compiled CPU kernels, built on first use with the machine's C++ compiler and cached.
 
-Two operators for the decode step, in one library: the attention over the two-level cache
+Three operators for the decode step, in one library: the attention over the two-level cache
 (``decode_attention.cpp``; the generic fused attention pays a fixed cost per (sample, kv head)
-matrix and per call that dominates small decode steps on a CPU) and the whole layer stack around
-it (``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one
-by one). They are compiled once per machine, torch version and source (about 15 seconds on a
+matrix and per call that dominates small decode steps on a CPU), the whole layer stack around it
+(``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one by
+one) and the step's target distribution from its logits (``sampling.cpp``; four passes over a
+[rows, vocabulary] matrix in the Python path). They are compiled once per machine, torch version and source (about 15 seconds on a
 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with
 ``-O3 -march=native``. Where they cannot be built (no compiler, no ninja) the engine keeps its
 portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger("multispec")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -55,6 +56,11 @@ def decode_attention():
 def decode_layers():
     """``torch.ops.multispec.decode_layers`` (see ``decode_layers.cpp``), or None as above."""
     return _op("decode_layers")
+
+
+def softmax_rows():
+    """``torch.ops.multispec.softmax_rows`` (see ``sampling.cpp``), or None as above."""
+    return _op("softmax_rows")
 
 
 def _op(name: str):

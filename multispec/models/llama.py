@@ -285,10 +285,11 @@ class LlamaForCausalLM(nn.Module):
                 config.num_key_value_heads, float(config.rms_norm_eps))
         return op, self._stack_weights, args
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head is not None:
-            return self.head(hidden).float()
-        return F.linear(hidden, self.output_weight()).float()
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The output head's logits, in float32 (``float32=False``: in the model's dtype, for a
+        consumer that converts as it reads, such as the compiled softmax of the decode step)."""
+        out = self.head(hidden) if self.head is not None else F.linear(hidden, self.output_weight())
+        return out.float() if float32 else out
 
     def fuse(self, pack: bool) -> None:
         """Every layer's products fused (and, ``pack``, their weights prepacked, see ``Projection``);

@@ -104,7 +104,9 @@ def verify_tree(
             uniforms = rng.at(who, depth)
         else:
             uniforms = Uniforms(who.numel(), generator=rng)
-        choice = _select_at_nodes(chosen, p[rows], kids, node_tokens, q, uniforms, top_s, ranked)
+        # A step without drafts visits every row of p once, in order, at depth 0: no copy of p.
+        p_rows = p if depth == 0 and rows.numel() == p.shape[0] else p[rows]
+        choice = _select_at_nodes(chosen, p_rows, kids, node_tokens, q, uniforms, top_s, ranked)
         accepted = choice.index >= 0
         child = kids.gather(1, choice.index.clamp_min(0)[:, None]).squeeze(1)
         stopped = who[~accepted]

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from multispec.engine.sampler import target_probs
+from multispec import kernels
+from multispec.engine.sampler import target_probs, target_probs_and_lse
 
 
 def rows(n, value, dtype=torch.float32):
@@ -35,3 +37,33 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
     p = target_probs(logits, rows(1, 1.0), rows(1, 0, torch.long), rows(1, 0.81))
     assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95, atol=1e-6)
+
+
+COMPILED_SOFTMAX = kernels.softmax_rows() is not None
+
+
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_softmax_matches_torch_with_the_raw_logsumexp(dtype):
+    """The decode step's compiled softmax against torch: p = softmax(logits / T) over a 49k
+    vocabulary at temperatures below, at and above 1, greedy rows one-hot, a -inf logit at
+    probability 0, and the logsumexp of the raw logits (what log-probabilities are read from).
+    The bounds are float32 rounding (an exponent error of 2e-7 relative, times logits / T up to 100)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 49152, generator=gen) * 4).to(dtype)
+    logits[1, 7] = float("-inf")
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.2, 1.0])
+    probs, lse = target_probs_and_lse(logits, temperature, rows(6, 0, torch.long), rows(6, 1.0))
+    assert lse is not None
+    want = target_probs(logits, temperature, rows(6, 0, torch.long), rows(6, 1.0))
+    assert torch.allclose(probs, want, rtol=5e-5, atol=1e-9)
+    assert probs[1, 7] == 0 and probs[2].max() == 1 and probs[2].sum() == 1
+    assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
+
+
+def test_rows_with_top_k_or_top_p_take_the_reference_path():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
+    probs, lse = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
+    assert lse is None and (probs[0] > 0).sum() == 5
+    probs, lse = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
+    assert lse is None
