@@ -26,6 +26,7 @@ import torch
 log = logging.getLogger("multispec")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp")]
+HEADERS = [Path(__file__).with_name("common.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -41,7 +42,7 @@ def _build_dir() -> Path:
     from multispec.engine.costs import machine
     from multispec.models.loading import default_cache_dir
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + torch.__version__.encode()
                          + platform.machine().encode() + machine().encode()).hexdigest()[:16]
     return default_cache_dir() / "kernels" / key

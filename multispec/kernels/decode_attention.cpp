@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,41 +32,10 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint16_t raw;
-  std::memcpy(&raw, &x, sizeof(raw));
-  uint32_t bits = static_cast<uint32_t>(raw) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
+using multispec_kernels::exp_nonpositive;
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power, set
-// in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5] (relative error below 2e-7).
-// Written as plain arithmetic so that the compiler vectorises the loops that call it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = (y - n) * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  const uint32_t bits = static_cast<uint32_t>(e) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  for (int64_t d = 0; d < n; ++d) dst[d] = multispec_kernels::widen(src[d]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

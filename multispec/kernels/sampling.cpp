@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,37 +24,8 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint16_t raw;
-  std::memcpy(&raw, &x, sizeof(raw));
-  const uint32_t bits = static_cast<uint32_t>(raw) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// exp(x) for x <= 0 (relative error below 2e-7), plain arithmetic so that the loops vectorise;
-// the polynomial of the attention kernel's softmax, and 0 below -87 (where float32's normal
-// range ends; -inf too), as the exact exponential rounds there.
-inline float exp_nonpositive(float x) {
-  const bool vanishes = x < -87.0f;
-  x = std::max(x, -87.0f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = (y - n) * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return vanishes ? 0.0f : p * scale;
-}
+using multispec_kernels::exp_nonpositive;
+using multispec_kernels::widen;
 
 template <typename scalar_t>
 void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor& probs, at::Tensor& lse) {
