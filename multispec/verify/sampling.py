@@ -163,22 +163,21 @@ def sample_rows(
     """
     n = rng.n if isinstance(rng, Uniforms) else weights.shape[0]
     rng = Uniforms.of(rng, n)
-    blocks = _block_sums(weights)
-    cumulative = blocks.double().cumsum(-1)
+    blocked = _blocked(weights)
+    cumulative = blocked.sum(-1).double().cumsum(-1)
     total = cumulative[:, -1]
     if fallback is not None:
         empty = total <= 0
         if bool(empty.any()):
-            weights = torch.where(empty[:, None], fallback, weights)
-            blocks = _block_sums(weights)
-            cumulative = blocks.double().cumsum(-1)
+            blocked = _blocked(torch.where(empty[:, None], fallback, weights))
+            cumulative = blocked.sum(-1).double().cumsum(-1)
             total = cumulative[:, -1]
     u = rng.draw(TOKEN, 0, total)
-    if weights.shape[0] == 1 and n != 1:
-        weights, blocks, total = (t.expand(n, *t.shape[1:]) for t in (weights, blocks, total))
+    if blocked.shape[0] == 1 and n != 1:
+        blocked, total = blocked.expand(n, -1, -1), total.expand(n)
         cumulative = cumulative.expand(n, -1).contiguous()  # [N, V / BLOCK]: small
     target = u * total
-    last = blocks.shape[1] - 1
+    last = blocked.shape[1] - 1
     # The block: the first whose running total exceeds the target (right=True: an empty block never
     # does). u * total can round up to total; those rows take the last block, below.
     block = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
@@ -186,8 +185,7 @@ def sample_rows(
     block = block.clamp_(max=last)
     before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp_min(0)[:, None]).squeeze(1),
                          torch.zeros_like(target))
-    rows = torch.arange(n, device=weights.device)
-    local = _blocked(weights)[rows, block]  # [N, BLOCK]
+    local = blocked[torch.arange(n, device=blocked.device), block]  # [N, BLOCK]
     # Inside the block: the first entry whose running sum exceeds target - before (>= 0, so a
     # zero-weight entry is never chosen).
     index = torch.searchsorted(local.double().cumsum(-1), (target - before)[:, None], right=True).squeeze(1)
@@ -206,7 +204,3 @@ def _blocked(weights: torch.Tensor) -> torch.Tensor:
     if pad:
         weights = torch.nn.functional.pad(weights, (0, pad))
     return weights.reshape(weights.shape[0], -1, BLOCK)
-
-
-def _block_sums(weights: torch.Tensor) -> torch.Tensor:
-    return _blocked(weights).sum(-1)
