@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger("multispec")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp")]
-HEADERS = [Path(__file__).with_name("common.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attention.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()

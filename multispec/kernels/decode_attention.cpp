@@ -17,12 +17,14 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "amx_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -203,8 +205,20 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   fast = std::is_same_v<scalar_t, c10::BFloat16> && dim % 32 == 0 && dim <= 256 && qs1 == dim;
 #endif
 
+#ifdef MULTISPEC_AMX
+  const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim &&
+                   multispec_amx::enabled();
+#endif
   auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc, row_buf(dim);
+#ifdef MULTISPEC_AMX
+    std::unique_ptr<multispec_amx::Scratch> scratch;
+    if (amx) {
+      scratch = std::make_unique<multispec_amx::Scratch>();
+      multispec_amx::configure();
+    }
+    const multispec_amx::Release release{amx};
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const int64_t count = counts[b], old = written[b], plen = prompt_len[b];
@@ -220,6 +234,23 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
         std::memcpy(own_v_out + sample_slot[b] * ovs0 + h * ovs1 + (old + r) * ovs2,
                     vnp + (offsets[b] + r) * vn0 + h * vn1, dim * sizeof(scalar_t));
       }
+#ifdef MULTISPEC_AMX
+      // Samples with draft nodes (six query rows or more) on the tile unit; a plain sample's
+      // three rows are as fast on the vector path.
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (amx && count >= 2 && count <= multispec_amx::MAX_NODES) {
+          const bool* mask = tree_mask + b * qmax * qmax;
+          const int64_t base = offsets[b];
+          multispec_amx::attend(
+              rows, [&](int64_t i) { return qp + (base + i / group) * qs0 + (h * group + i % group) * qs1; },
+              pkp + prompt_slot[b] * ps0 + h * ps1, pvp + prompt_slot[b] * pvs0 + h * pvs1, ps2, pvs2, plen,
+              okp + sample_slot[b] * os0 + h * os1, ovp + sample_slot[b] * ovs0 + h * ovs1, os2, ovs2, own_len, count,
+              [&](int64_t i, int64_t node) { return mask[(i / group) * qmax + node]; }, fscale,
+              [&](int64_t i) { return op + (base + i / group) * out0 + (h * group + i % group) * out1; }, *scratch);
+          continue;
+        }
+      }
+#endif
       // Queries as float32, scaled: row i = (node r, head g) of query head h * group + g (the
       // bf16 path reads them as they are).
       if (!fast) {

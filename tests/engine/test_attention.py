@@ -1,5 +1,7 @@
 """The fused attention kernel against the reference built from elementary operations."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -138,14 +140,45 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, c
             row += 1
 
 
+def _has_amx() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
 @pytest.mark.parametrize("in_slots", [False, True], ids=["packed", "slots"])
-def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots):
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["tiles", "vectors"])
+def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots, amx, monkeypatch):
     """The compiled decode attention against the portable path in float64 on the same cache: six
     samples of three prompts, plain roots, a chain of 17 nodes (more than one block of 16 keys), a
     branching tree, two roots side by side, samples in packed slots and in slots out of order.
-    The bf16 bound is the rounding of the output (values reach about 8: 2**-6 relative)."""
+    The bf16 bound is the rounding of the output (values reach about 8: 2**-6 relative). On a CPU
+    with AMX, bf16 samples with draft nodes run on the tile unit unless MULTISPEC_AMX=0: both paths."""
+    monkeypatch.setenv("MULTISPEC_AMX", amx)
+    out, want = _compiled_on_trees(dtype, in_slots)
+    assert out.dtype == dtype
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not (COMPILED and _has_amx()), reason="no compiled kernel or no AMX here")
+def test_tile_path_runs_and_agrees_with_the_vector_path(monkeypatch):
+    """The tile path rounds the softmax weights to bf16 before the values' product (the vector
+    path keeps them in float32): the two agree within a few units of bf16's last place of the
+    output, and differ somewhere (so that the switch really changes the path taken)."""
+    monkeypatch.setenv("MULTISPEC_AMX", "1")
+    tiles, want = _compiled_on_trees(torch.bfloat16, True)
+    monkeypatch.setenv("MULTISPEC_AMX", "0")
+    vectors, _ = _compiled_on_trees(torch.bfloat16, True)
+    assert not torch.equal(tiles, vectors)
+    assert torch.allclose(tiles.float(), vectors.float(), atol=2e-2, rtol=2 ** -6)
+    # no worse against float64 than the vector path, beyond the output's own rounding
+    assert (tiles.double() - want).abs().max() <= (vectors.double() - want).abs().max() + 2e-2
+
+
+def _compiled_on_trees(dtype, in_slots):
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
@@ -171,14 +204,13 @@ def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol
     assert compiled.op is not None
     out = compiled.attend(0, q, k, v)
     want = DecodeAttention(exact, layout, split=False, compiled=False).attend(0, q.double(), k.double(), v.double())
-    assert out.dtype == dtype
-    assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
     slots = layout.slots.tolist() if in_slots else list(range(len(counts)))
     row = 0
     for slot, written, count in zip(slots, layout.written.tolist(), counts):  # the new keys were written in place
         assert torch.equal(cache.sample_k[0, slot, :, written:written + count], k[row:row + count].transpose(0, 1))
         assert torch.equal(cache.sample_v[0, slot, :, written:written + count], v[row:row + count].transpose(0, 1))
         row += count
+    return out, want
 
 
 def test_compiled_kernel_is_built_where_a_compiler_is(monkeypatch):

@@ -3,8 +3,9 @@
 Every token is drawn exactly from the distribution the step's forward computed for it, in any
 dtype. In bfloat16 that forward's rounding depends on the batch's shape (its drafts, its batch
 mates), so logits of the same prefix differ between a plain and a speculative run by up to about
-0.7 (the largest difference between a prefill and a decode computation of the same logits
-measured over 156 positions of GSM8K answers; median 0.38). Two consequences, tested here:
+1 (the largest difference between a prefill and a decode computation of the same logits
+measured over 156 positions of GSM8K answers: 0.69 on an AMD EPYC with AVX512-BF16, 1.0 on a
+Xeon whose matrix products run on AMX tiles; median 0.38 on the former). Two consequences, tested here:
 greedy speculation parts from plain greedy decoding only where the top two logits are closer
 than the rounding can move them (``BF16_TIE``), and at temperature > 0 the law of the output is
 the model's (distribution tests on the tiny successor model in bfloat16).
@@ -22,10 +23,10 @@ from tests.engine.test_configurations import assert_first_tokens_follow_the_law
 from tests.helpers import exact_cells, last_logits, new_cache, prefill, step
 from tests.tiny_models import chain, cycle_start
 
-BF16_TIE = 1.5
-"""Top-two logit gap below which bfloat16 rounding may decide the greedy token either way: twice
-the largest measured difference between two computations of one logit (0.69), since both logits
-of the pair can move."""
+BF16_TIE = 2.5
+"""Top-two logit gap below which bfloat16 rounding may decide the greedy token either way: a
+quarter more than twice the largest measured difference between two computations of one logit
+(1.0, on AMX), since both logits of the pair can move."""
 
 
 @pytest.fixture(scope="module")
