@@ -44,10 +44,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 5
+FORMAT = 6
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
 prepacked weights, so prices measured before are stale; 3: the compiled CPU attention; 4: the
-compiled layer stack; 5: draft rows' attention on AMX tiles)."""
+compiled layer stack; 5: draft rows' attention on AMX tiles; 6: every prompt half on AMX tiles,
+sixteen rows of a prompt's samples at a time)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
 PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -1,4 +1,12 @@
-// Decode attention of one (sample, kv head) on AMX tiles, bf16 caches with head_dim 64.
+// Decode attention on AMX tiles, bf16 caches with head_dim 64, in two halves.
+//
+// The prompt half (attend_prompt) takes the query rows of all the samples that share a prompt
+// sixteen at a time: their scores against the prompt's keys, the softmax relative to each row's
+// own maximum and the weighted sum of the prompt's values, kept as a partial (the unnormalised sum,
+// the row's maximum and its total weight). The own half (attend) takes one sample's rows over its
+// own keys and merges them with those partials. Sharing the prompt's keys among the sixteen lanes
+// of a tile is what makes plain samples (three query rows each) cheap: their prompt half costs a
+// few tile products per sixteen keys instead of one vector dot product per key and row.
 //
 // Scores are computed transposed, S^T = K Q^T: the keys are the A operand straight from the cache
 // (sixteen key rows of 32 dims a tile, at the cache's row stride), the query rows (up to sixteen
@@ -201,32 +209,82 @@ inline void add_segment(const float* st, const c10::BFloat16* values, int64_t st
   }
 }
 
-// The attention of ``rows`` query rows (row i at query(i), a bf16 [64] row) over the prompt's
-// ``plen`` keys and the sample's ``own_len`` keys, of which the last ``count`` are the step's new
-// nodes, seen by row i only where visible(i, node). Writes row i's output at out(i).
-template <typename Query, typename Visible, typename Out>
-void attend(int64_t rows, Query query, const c10::BFloat16* pk, const c10::BFloat16* pv, int64_t pk_step,
-            int64_t pv_step, int64_t plen, const c10::BFloat16* ok, const c10::BFloat16* ov, int64_t ok_step,
-            int64_t ov_step, int64_t own_len, int64_t count, Visible visible, float scale, Out out, Scratch& s) {
-  const int64_t plen_pad = (plen + 15) & ~int64_t{15}, own_pad = (own_len + 15) & ~int64_t{15};
-  float* st = s.reserve(plen_pad + own_pad);
-  float* own_st = st + plen_pad * 16;
-  const int64_t old = own_len - count;
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+// A partial row of the prompt half: the unnormalised weighted sum of values, the row's maximum
+// scaled score and its total weight exp(score - maximum) over the prompt's keys.
+constexpr int64_t PARTIAL = 66;
+
+// Loads up to sixteen bf16 query rows into the B operands (tiles 6 and 7); lanes past ``block``
+// are zero.
+template <typename Query>
+inline void load_queries(int64_t i0, int64_t block, Query query, Scratch& s) {
+  std::memset(s.queries, 0, sizeof(s.queries));
+  for (int64_t i = 0; i < block; ++i) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(query(i0 + i));
+    for (int k = 0; k < 16; ++k) {
+      s.queries[0][k][i] = q[k];
+      s.queries[1][k][i] = q[16 + k];
+    }
+  }
+  _tile_loadd(6, s.queries[0], 64);
+  _tile_loadd(7, s.queries[1], 64);
+}
+
+// The prompt half of ``rows`` query rows (row i at query(i)) that share the prompt's ``plen`` keys:
+// writes row i's partial (PARTIAL floats) at partial(i).
+template <typename Query, typename Partial>
+void attend_prompt(int64_t rows, Query query, const c10::BFloat16* pk, const c10::BFloat16* pv, int64_t pk_step,
+                   int64_t pv_step, int64_t plen, float scale, Partial partial, Scratch& s) {
+  float* st = s.reserve((plen + 15) & ~int64_t{15});
+  const __m512 scaled = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < rows; i0 += 16) {
     const int64_t block = std::min<int64_t>(16, rows - i0);
-    std::memset(s.queries, 0, sizeof(s.queries));
-    for (int64_t i = 0; i < block; ++i) {
-      const uint32_t* q = reinterpret_cast<const uint32_t*>(query(i0 + i));
-      for (int k = 0; k < 16; ++k) {
-        s.queries[0][k][i] = q[k];
-        s.queries[1][k][i] = q[16 + k];
-      }
-    }
-    _tile_loadd(6, s.queries[0], 64);
-    _tile_loadd(7, s.queries[1], 64);
+    load_queries(i0, block, query, s);
     score_segment(pk, pk_step, plen, st, s);
-    score_segment(ok, ok_step, own_len, own_st, s);
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < plen; ++j) top = _mm512_max_ps(top, _mm512_load_ps(st + j * 16));
+    const __m512 shift = _mm512_mul_ps(top, scaled);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < plen; ++j) {
+      const __m512 e = exp_nonpositive16(_mm512_min_ps(_mm512_fmsub_ps(_mm512_load_ps(st + j * 16), scaled, shift),
+                                                      _mm512_setzero_ps()));
+      _mm512_store_ps(st + j * 16, e);
+      total = _mm512_add_ps(total, e);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    add_segment(st, pv, pv_step, plen, s);
+    _tile_stored(0, &s.out[0][0], 256);
+    _tile_stored(1, &s.out[0][16], 256);
+    _tile_stored(2, &s.out[0][32], 256);
+    _tile_stored(3, &s.out[0][48], 256);
+    alignas(64) float shifts[16], totals[16];
+    _mm512_store_ps(shifts, shift);
+    _mm512_store_ps(totals, total);
+    for (int64_t i = 0; i < block; ++i) {
+      float* dst = partial(i0 + i);
+      std::memcpy(dst, s.out[i], 64 * sizeof(float));
+      dst[64] = shifts[i];
+      dst[65] = totals[i];
+    }
+  }
+}
+
+// The own half of one sample's ``rows`` query rows (row i at query(i)) over its ``own_len`` keys,
+// of which the last ``count`` are the step's new nodes, seen by row i only where visible(i, node),
+// merged with the row's prompt partial at prior(i). Writes row i's output at out(i).
+template <typename Query, typename Visible, typename Prior, typename Out>
+void attend(int64_t rows, Query query, const c10::BFloat16* ok, const c10::BFloat16* ov, int64_t ok_step,
+            int64_t ov_step, int64_t own_len, int64_t count, Visible visible, float scale, Prior prior, Out out,
+            Scratch& s) {
+  float* st = s.reserve((own_len + 15) & ~int64_t{15});
+  const int64_t old = own_len - count;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+    const int64_t block = std::min<int64_t>(16, rows - i0);
+    load_queries(i0, block, query, s);
+    score_segment(ok, ok_step, own_len, st, s);
     // Which lanes see each new key (lanes past the block's rows: all, they are never read).
     __mmask16 seen[MAX_NODES];
     const int64_t nodes = std::min<int64_t>(count, MAX_NODES);
@@ -236,34 +294,46 @@ void attend(int64_t rows, Query query, const c10::BFloat16* pk, const c10::BFloa
         if (!visible(i0 + i, node)) bits &= static_cast<__mmask16>(~(1u << i));
       seen[node] = bits;
     }
-    __m512 top = neg_inf;
-    for (int64_t j = 0; j < plen; ++j) top = _mm512_max_ps(top, _mm512_load_ps(st + j * 16));
+    __m512 top = _mm512_set1_ps(-inf);
     for (int64_t j = 0; j < own_len; ++j) {
-      const __m512 v = _mm512_load_ps(own_st + j * 16);
+      const __m512 v = _mm512_load_ps(st + j * 16);
       top = j < old ? _mm512_max_ps(top, v) : _mm512_mask_max_ps(top, seen[j - old], top, v);
     }
+    // The prompt's partials: each lane's maximum joins the own keys' maximum, and its sum and
+    // total weight are rescaled to the common maximum before the own values are added.
+    alignas(64) float prompt_top[16], prompt_total[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      prompt_top[i] = i < block ? prior(i0 + i)[64] : -inf;
+      prompt_total[i] = i < block ? prior(i0 + i)[65] : 0.0f;
+    }
     const __m512 scaled = _mm512_set1_ps(scale);
-    const __m512 shift = _mm512_mul_ps(top, scaled);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < plen; ++j) {
-      const __m512 e = exp_nonpositive16(_mm512_min_ps(_mm512_fmsub_ps(_mm512_load_ps(st + j * 16), scaled, shift),
-                                                      _mm512_setzero_ps()));
+    const __m512 prompt_shift = _mm512_load_ps(prompt_top);
+    const __m512 shift = _mm512_max_ps(_mm512_mul_ps(top, scaled), prompt_shift);
+    const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(prompt_shift, shift));
+    __m512 total = _mm512_mul_ps(_mm512_load_ps(prompt_total), rescale);
+    for (int64_t j = 0; j < own_len; ++j) {
+      __m512 e = exp_nonpositive16(_mm512_min_ps(_mm512_fmsub_ps(_mm512_load_ps(st + j * 16), scaled, shift),
+                                                _mm512_setzero_ps()));
+      if (j >= old) e = _mm512_maskz_mov_ps(seen[j - old], e);
       _mm512_store_ps(st + j * 16, e);
       total = _mm512_add_ps(total, e);
     }
-    for (int64_t j = 0; j < own_len; ++j) {
-      __m512 e = exp_nonpositive16(_mm512_min_ps(_mm512_fmsub_ps(_mm512_load_ps(own_st + j * 16), scaled, shift),
-                                                _mm512_setzero_ps()));
-      if (j >= old) e = _mm512_maskz_mov_ps(seen[j - old], e);
-      _mm512_store_ps(own_st + j * 16, e);
-      total = _mm512_add_ps(total, e);
+    alignas(64) float factors[16];
+    _mm512_store_ps(factors, rescale);
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < block) {
+        const float* p = prior(i0 + i);
+        const __m512 f = _mm512_set1_ps(factors[i]);
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(&s.out[i][16 * c], _mm512_mul_ps(_mm512_loadu_ps(p + 16 * c), f));
+      } else {
+        std::memset(s.out[i], 0, sizeof(s.out[i]));
+      }
     }
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    add_segment(st, pv, pv_step, plen, s);
-    add_segment(own_st, ov, ov_step, own_len, s);
+    _tile_loadd(0, &s.out[0][0], 256);
+    _tile_loadd(1, &s.out[0][16], 256);
+    _tile_loadd(2, &s.out[0][32], 256);
+    _tile_loadd(3, &s.out[0][48], 256);
+    add_segment(st, ov, ov_step, own_len, s);
     _tile_stored(0, &s.out[0][0], 256);
     _tile_stored(1, &s.out[0][16], 256);
     _tile_stored(2, &s.out[0][32], 256);

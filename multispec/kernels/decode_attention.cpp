@@ -11,6 +11,12 @@
 // The generic kernels this replaces pay a fixed cost per (sample, kv head) matrix and per call
 // (two calls a layer, then a log-sum-exp merge); here every key and value is read once per
 // (sample, kv head) with all its query rows, and the prompt's keys stay in cache across samples.
+//
+// With AMX (bf16, head_dim 64) the prompt half runs first, on tiles, for sixteen query rows of a
+// prompt's samples at a time, and the pass per (sample, kv head) then reads only the sample's own
+// keys and merges the two halves (amx_attention.h). Scores and sums stay float32; the softmax
+// weights are rounded to bf16 for the tile products. Each row's arithmetic is its own on both
+// paths, so a sample's output is bit for bit the same whatever else is in the step.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +41,11 @@
 namespace {
 
 using multispec_kernels::exp_nonpositive;
+#ifdef MULTISPEC_AMX
+constexpr int64_t multispec_amx_partial = multispec_amx::PARTIAL;
+#else
+constexpr int64_t multispec_amx_partial = 0;
+#endif
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = multispec_kernels::widen(src[d]);
@@ -205,9 +216,72 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   fast = std::is_same_v<scalar_t, c10::BFloat16> && dim % 32 == 0 && dim <= 256 && qs1 == dim;
 #endif
 
+  // With AMX, the prompt half of every sample runs first on tiles, the query rows of all the
+  // samples that share a prompt sixteen at a time (see amx_attention.h); the loop below then
+  // attends to each sample's own keys only and merges the two halves. ``partial`` holds one
+  // PARTIAL-float row per (token, query head).
+  bool amx = false;
+  std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim &&
-                   multispec_amx::enabled();
+  amx = std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && multispec_amx::enabled();
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (amx) {
+      const int64_t tokens = q.size(0);
+      partial.reset(new float[tokens * heads * multispec_amx::PARTIAL]);
+      // Samples grouped by prompt (slot and length), in batch order within a group; a group's rows
+      // are its samples' (token, query head of the kv head) in that order, cut into blocks of 16.
+      std::vector<int64_t> order(batch);
+      for (int64_t b = 0; b < batch; ++b) order[b] = b;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return prompt_slot[a] != prompt_slot[b] ? prompt_slot[a] < prompt_slot[b] : prompt_len[a] < prompt_len[b];
+      });
+      std::vector<int64_t> token_of;  // the group-ordered tokens
+      struct Block {
+        int64_t first, rows, slot, len;  // group-ordered rows first .. first + rows - 1 of one prompt
+      };
+      std::vector<Block> blocks;
+      for (int64_t g0 = 0; g0 < batch;) {
+        int64_t g1 = g0;
+        const int64_t start = static_cast<int64_t>(token_of.size());
+        while (g1 < batch && prompt_slot[order[g1]] == prompt_slot[order[g0]] &&
+               prompt_len[order[g1]] == prompt_len[order[g0]]) {
+          for (int64_t r = 0; r < counts[order[g1]]; ++r) token_of.push_back(offsets[order[g1]] + r);
+          ++g1;
+        }
+        const int64_t rows = (static_cast<int64_t>(token_of.size()) - start) * group;
+        for (int64_t r0 = 0; r0 < rows; r0 += 16)
+          blocks.push_back({start * group + r0, std::min<int64_t>(16, rows - r0), prompt_slot[order[g0]],
+                            prompt_len[order[g0]]});
+        g0 = g1;
+      }
+      float* part = partial.get();
+      at::parallel_for(0, static_cast<int64_t>(blocks.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        auto scratch = std::make_unique<multispec_amx::Scratch>();
+        multispec_amx::configure();
+        const multispec_amx::Release release{true};
+        for (int64_t item = begin; item < end; ++item) {
+          const Block& blk = blocks[item / kv_heads];
+          const int64_t h = item % kv_heads;
+          auto row = [&](int64_t i) {  // (token, query head) of the block's row i
+            const int64_t r = blk.first + i;
+            return std::pair{token_of[r / group], h * group + r % group};
+          };
+          multispec_amx::attend_prompt(
+              blk.rows,
+              [&](int64_t i) {
+                const auto [t, hq] = row(i);
+                return qp + t * qs0 + hq * qs1;
+              },
+              pkp + blk.slot * ps0 + h * ps1, pvp + blk.slot * pvs0 + h * pvs1, ps2, pvs2, blk.len, fscale,
+              [&](int64_t i) {
+                const auto [t, hq] = row(i);
+                return part + (t * heads + hq) * multispec_amx::PARTIAL;
+              },
+              *scratch);
+        }
+      });
+    }
+  }
 #endif
   auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc, row_buf(dim);
@@ -221,7 +295,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t count = counts[b], old = written[b], plen = prompt_len[b];
+      // With AMX the prompt's keys were seen by the tile pass: only the own keys remain.
+      const int64_t count = counts[b], old = written[b], plen = amx ? 0 : prompt_len[b];
       const int64_t rows = count * group, own_len = old + count, keys = plen + own_len;
       qf.resize(rows * dim);
       scores.resize(rows * keys);
@@ -235,17 +310,19 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
                     vnp + (offsets[b] + r) * vn0 + h * vn1, dim * sizeof(scalar_t));
       }
 #ifdef MULTISPEC_AMX
-      // Samples with draft nodes (six query rows or more) on the tile unit; a plain sample's
-      // three rows are as fast on the vector path.
+      // The own keys of samples with draft nodes (six query rows or more) on the tile unit too; a
+      // plain sample's three rows are as fast on the vector path.
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (amx && count >= 2 && count <= multispec_amx::MAX_NODES) {
           const bool* mask = tree_mask + b * qmax * qmax;
           const int64_t base = offsets[b];
           multispec_amx::attend(
               rows, [&](int64_t i) { return qp + (base + i / group) * qs0 + (h * group + i % group) * qs1; },
-              pkp + prompt_slot[b] * ps0 + h * ps1, pvp + prompt_slot[b] * pvs0 + h * pvs1, ps2, pvs2, plen,
               okp + sample_slot[b] * os0 + h * os1, ovp + sample_slot[b] * ovs0 + h * ovs1, os2, ovs2, own_len, count,
               [&](int64_t i, int64_t node) { return mask[(i / group) * qmax + node]; }, fscale,
+              [&](int64_t i) {
+                return partial.get() + ((base + i / group) * heads + h * group + i % group) * multispec_amx::PARTIAL;
+              },
               [&](int64_t i) { return op + (base + i / group) * out0 + (h * group + i % group) * out1; }, *scratch);
           continue;
         }
@@ -294,13 +371,24 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
                     keys, seen);
         }
       }
-      // Softmax per row (every row sees at least its own new key, so its maximum is finite).
+      // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
+      // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
+      // sum and total weight are rescaled to the common maximum.
       std::vector<float> totals(rows);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * keys;
         float top = neg_inf;
         for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
         float total = 0.0f;
+        if (amx) {
+          const float* prior =
+              partial.get() + ((offsets[b] + i / group) * heads + h * group + i % group) * multispec_amx_partial;
+          top = std::max(top, prior[64]);
+          const float rescale = prior[64] == neg_inf ? 0.0f : exp_nonpositive(prior[64] - top);
+          total = prior[65] * rescale;
+          float* a = acc.data() + i * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] = prior[d] * rescale;
+        }
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < keys; ++j) {
           const float e = s[j] == neg_inf ? 0.0f : exp_nonpositive(s[j] - top);

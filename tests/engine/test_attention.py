@@ -178,6 +178,31 @@ def test_tile_path_runs_and_agrees_with_the_vector_path(monkeypatch):
     assert (tiles.double() - want).abs().max() <= (vectors.double() - want).abs().max() + 2e-2
 
 
+@pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["tiles", "vectors"])
+def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(amx, monkeypatch):
+    """With AMX the prompt half runs sixteen query rows of a prompt's samples to a tile: each
+    sample's output must still be bit for bit what it is when the sample is alone in the step (no
+    padding, blocking or order effect), on both paths. Six samples of three prompts, plain and
+    drafted, slots out of order."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from tests.helpers import tree_mask_of
+
+    monkeypatch.setenv("MULTISPEC_AMX", amx)
+    out, _ = _compiled_on_trees(torch.bfloat16, True)
+    cache, layout, q, k, v = _compiled_on_trees.last
+    row = 0
+    for b, count in enumerate(layout.counts.tolist()):
+        alone = StepLayout(layout.counts[b:b + 1], layout.written[b:b + 1], layout.prompt_slot[b:b + 1],
+                           layout.prompt_len[b:b + 1], tree_mask_of([_TREES[b]]), slots=layout.slots[b:b + 1])
+        mine = DecodeAttention(cache, alone).attend(0, q[row:row + count], k[row:row + count], v[row:row + count])
+        assert torch.equal(mine, out[row:row + count]), f"sample {b}"
+        row += count
+
+
+_TREES = [[], [-1, 0, 0], [-1], [-1, -1, 0, 1, 2], [], list(range(-1, 16))]
+
+
 def _compiled_on_trees(dtype, in_slots):
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
@@ -192,7 +217,7 @@ def _compiled_on_trees(dtype, in_slots):
     for name in ("prompt_k", "prompt_v", "sample_k", "sample_v"):
         getattr(cache, name).copy_(torch.randn(getattr(cache, name).shape, generator=gen) * 2)
         getattr(exact, name).copy_(getattr(cache, name))
-    trees = [[], [-1, 0, 0], [-1], [-1, -1, 0, 1, 2], [], list(range(-1, 16))]
+    trees = _TREES
     counts = [1 + len(t) for t in trees]
     layout = StepLayout(torch.tensor(counts), torch.tensor([3, 17, 40, 0, 33, 21]), torch.tensor([0, 1, 0, 2, 2, 1]),
                         torch.tensor([50, 7, 50, 31, 31, 7]), tree_mask_of(trees),
@@ -210,6 +235,7 @@ def _compiled_on_trees(dtype, in_slots):
         assert torch.equal(cache.sample_k[0, slot, :, written:written + count], k[row:row + count].transpose(0, 1))
         assert torch.equal(cache.sample_v[0, slot, :, written:written + count], v[row:row + count].transpose(0, 1))
         row += count
+    _compiled_on_trees.last = (cache, layout, q, k, v)
     return out, want
 
 
