@@ -216,9 +216,10 @@ class DraftBudget:
             total += chain
         return total
 
-    def choose(self, batch: int, context: int, others: int = 0) -> int:
+    def choose(self, batch: int, context: int, others: int = 0, per_depth: float = 0.0) -> int:
         """Draft tokens per sample for ``batch`` samples (sampled drafts) in a step that also holds
-        ``others`` samples without drafts."""
+        ``others`` samples without drafts. ``per_depth``: seconds the drafter itself spends per
+        draft depth (a draft model's forward for the whole batch), paid on top of the step."""
         if self.max_depth == 0:
             return 0
         seconds = self.costs.seconds
@@ -227,7 +228,8 @@ class DraftBudget:
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
             nodes = self.width * length
-            rate = gained / seconds(total + batch * nodes, total, 1 + nodes, context, batch)
+            step = seconds(total + batch * nodes, total, 1 + nodes, context, batch) + length * per_depth
+            rate = gained / step
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
         return best

@@ -433,6 +433,7 @@ class LLMEngine:
                 spent = lane.drafter.model_time - model_time
                 self.stats.time_draft_model += spent
                 self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
+                lane.observe_drafting(spent, lane.drafter.model_forwards - model_forwards)
             for b, tree in zip(members, lane.select(proposed, len(slots), context, spent)):
                 trees[b] = tree
         return trees

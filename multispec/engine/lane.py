@@ -51,6 +51,16 @@ class Lane:
             raise ValueError("an adaptive draft budget needs the engine's step prices")
         self.budget = DraftBudget(depth, prices() if depth else None, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram), width=self.width)
+        self.depth_seconds = 0.0
+        """What one draft depth of the drafter's own model has cost lately (seconds for the lane's
+        samples of a step; 0 until measured, and for drafters without a model)."""
+
+    def observe_drafting(self, seconds: float, depths: int) -> None:
+        """The drafter's model spent ``seconds`` on ``depths`` forwards this step: the budget
+        weighs the next steps' depths against that price (a moving average of the last few)."""
+        if depths > 0:
+            latest = seconds / depths
+            self.depth_seconds = latest if self.depth_seconds == 0.0 else 0.75 * self.depth_seconds + 0.25 * latest
 
     def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:
         """Draft nodes each sample may get this step (all 0: no drafts). ``batch``: samples in the
@@ -62,7 +72,7 @@ class Lane:
         nodes = spec.max_draft_nodes
         extra = batch - len(samples)
         if spec.adaptive and self.sampled:
-            length = self.budget.choose(len(samples), context, extra)
+            length = self.budget.choose(len(samples), context, extra, self.depth_seconds)
             if length == 0:
                 return none
             nodes = min(nodes, length * self.width) if length < spec.max_draft_tokens else nodes

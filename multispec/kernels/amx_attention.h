@@ -271,6 +271,19 @@ void attend_prompt(int64_t rows, Query query, const c10::BFloat16* pk, const c10
   }
 }
 
+// Scores of up to sixteen query rows (row i at query(i)) against ``count`` keys, scaled, into
+// out[i * stride + j]: the tile product S^T = K Q^T, read back row by row. For a plain sample's
+// three rows, whose softmax and values' sum stay on the vector path.
+template <typename Query>
+inline void score_rows(int64_t rows, Query query, const c10::BFloat16* keys, int64_t step, int64_t count, float scale,
+                       float* out, int64_t stride, Scratch& s) {
+  float* st = s.reserve((count + 15) & ~int64_t{15});
+  load_queries(0, rows, query, s);
+  score_segment(keys, step, count, st, s);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < count; ++j) out[i * stride + j] = st[j * 16 + i] * scale;
+}
+
 // The own half of one sample's ``rows`` query rows (row i at query(i)) over its ``own_len`` keys,
 // of which the last ``count`` are the step's new nodes, seen by row i only where visible(i, node),
 // merged with the row's prompt partial at prior(i). Writes row i's output at out(i).

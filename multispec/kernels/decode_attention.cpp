@@ -346,6 +346,14 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       const bool* mask = tree_mask + b * qmax * qmax;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+#ifdef MULTISPEC_AMX
+        if (amx && count == 1 && rows <= 16) {  // a plain sample: scores on tiles (a few % faster)
+          const int64_t base = offsets[b];
+          multispec_amx::score_rows(
+              rows, [&](int64_t i) { return qp + base * qs0 + (h * group + i) * qs1; }, ok, os2, own_len, fscale,
+              scores.data(), keys, *scratch);
+        } else
+#endif
         if (fast) {
           for (int64_t r = 0; r < count; ++r) {  // one node's query heads are adjacent rows
             const scalar_t* qrow = qp + (offsets[b] + r) * qs0 + h * group * qs1;

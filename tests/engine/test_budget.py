@@ -56,6 +56,17 @@ def test_in_between_the_length_follows_acceptance():
     assert low < high
 
 
+def test_a_draft_models_own_forwards_shorten_the_draft():
+    """A draft model pays one forward per depth on top of the step: at a tenth of a step per depth
+    the deepest draft no longer pays, at a full step per depth no draft does."""
+    budget = trained(fixed=0.1, per_token=0.0001, accept=0.6)
+    free = budget.choose(16, CONTEXT)
+    dear = budget.choose(16, CONTEXT, per_depth=0.01)
+    assert free == 6
+    assert 0 < dear < free
+    assert budget.choose(16, CONTEXT, per_depth=0.1) == 0
+
+
 def test_expected_accepted_is_the_chain_sum():
     budget = trained(0.1, 0.001, accept=0.5)
     assert abs(budget.expected_accepted(3) - (0.5 + 0.25 + 0.125)) < 0.01
@@ -205,3 +216,24 @@ def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_pro
             asked += 1
             assert len(dear.select(trees, CONTEXT, drafting=0.05)[0]) == 1  # kept: already drafted
     assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
+
+
+def test_a_lane_prices_its_draft_models_depths_from_what_they_cost():
+    """What the drafter's model spent per depth (a moving average) shortens the sampled drafts the
+    lane's budget asks for; a step in which the model did not run leaves the price alone."""
+    from types import SimpleNamespace
+
+    from multispec.engine.lane import Lane
+    from multispec.params import SpecConfig
+
+    lane = Lane(SpecConfig(drafter="consensus", sampled_drafts=True), 400, lambda: costs(fixed=0.1, per_token=0.0001))
+    lane.budget.record_acceptance([0] + [1000] * 6, [0] + [600] * 6)
+    samples = [SimpleNamespace(remaining=100)] * 16
+    free = lane.budgets(samples, 16, CONTEXT)
+    lane.observe_drafting(0.05, 5)
+    lane.observe_drafting(0.0, 0)
+    assert lane.depth_seconds == pytest.approx(0.01)
+    lane.observe_drafting(0.15, 5)
+    assert lane.depth_seconds == pytest.approx(0.75 * 0.01 + 0.25 * 0.03)
+    dear = lane.budgets(samples, 16, CONTEXT)
+    assert 0 < dear[0] < free[0]
