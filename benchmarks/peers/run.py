@@ -20,6 +20,7 @@ their proportional set sizes summed, so pages they share count once; sampled eve
     .venv/bin/python benchmarks/peers/run.py                # the full table (4x16 and 4x4; long)
     .venv/bin/python benchmarks/peers/run.py --quick        # 1x2, 16 tokens, 1 run: a smoke run
     .venv/bin/python benchmarks/peers/run.py --engines multispec,vllm --shapes 4x16 --runs 5
+    .venv/bin/python benchmarks/peers/run.py --engines multispec,vllm --exclude vllm-ngram,multispec-fp32
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def parse_shape(text: str) -> tuple[int, int]:
     return questions, n
 
 
-def select_rows(names: str) -> list[Row]:
+def select_rows(names: str, exclude: str = "") -> list[Row]:
     wanted = [name.strip() for name in names.split(",") if name.strip()]
+    dropped = [name.strip() for name in exclude.split(",") if name.strip()]
     known = {row.key for row in ROWS} | {row.group for row in ROWS}
-    unknown = [name for name in wanted if name not in known]
+    unknown = [name for name in wanted + dropped if name not in known]
     if unknown:
         raise SystemExit(f"run.py: unknown engine(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return [row for row in ROWS if row.key in wanted or row.group in wanted]
+    return [row for row in ROWS if (row.key in wanted or row.group in wanted) and row.key not in dropped]
 
 
 def installed(row: Row) -> bool:
@@ -289,6 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(row.key for row in ROWS),
                         help="comma-separated rows or groups (multispec, vllm, transformers, llamacpp); default: all")
+    parser.add_argument("--exclude", default="", help="comma-separated rows to leave out (e.g. vllm-ngram)")
     parser.add_argument("--shapes", default="4x16,4x4", help="comma-separated QUESTIONSxN (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="timed calls per row and shape (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -309,7 +312,7 @@ def main() -> None:
         parser.error(str(error))
     if args.runs < 1 or args.max_tokens < 1 or not shapes:
         parser.error("--runs and --max-tokens must be >= 1, and --shapes must name at least one shape")
-    rows = select_rows(args.engines)
+    rows = select_rows(args.engines, args.exclude)
 
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="multispec-peers-") as folder:
