@@ -14,7 +14,9 @@ sampling, verification, bookkeeping, dispatch) is what the measured step has abo
 
 Part 2 times the engine's steps at those shapes (one request of B samples, ``--context`` tokens
 into the answer, every sample drafting an L-token chain of filler; ``bench_ceiling.py``'s cost
-side) and prints measured / floor. The floor's ratio (1 + L) x floor(B, 0) / floor(B, L) is the
+side) and prints measured / floor. Machines that drift (shared cores) move both parts: each of
+the ``--repeats`` passes measures the machine and then times the steps, and a shape's step /
+floor is the median over passes of the ratio within a pass. The floor's ratio (1 + L) x floor(B, 0) / floor(B, L) is the
 ceiling of speculation at that shape with perfect drafts on ideal code; the same ratio of
 measured steps is the ceiling for this engine as it is.
 
@@ -101,7 +103,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--context", type=int, default=128, help="tokens each sample has generated when timed")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per draft length")
-    parser.add_argument("--repeats", type=int, default=2, help="generations per shape, each timing every length")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes, each measuring the machine, then timing every shape and length once")
     args = parser.parse_args()
     samples = [int(x) for x in args.samples.split(",")]
     lengths = sorted({0, *(int(x) for x in args.lengths.split(","))})
@@ -118,38 +121,54 @@ def main() -> None:
     prompt = len(tokenizer.encode(tokenizer.apply_chat_template(load_gsm8k(limit=1)[0].chat()),
                                   add_special_tokens=False))
 
-    with torch.inference_mode():
-        bandwidth = read_bandwidth()
-        weights = weight_bytes(model)
-        print(f"{llm.dtype}, {torch.get_num_threads()} threads: read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-              f"weights {weights / 2**20:.0f} MiB (read once per step: {1e3 * weights / bandwidth:.1f} ms); "
-              f"prompt {prompt} tokens, {args.context} generated\n")
-        print("| rows | GEMM ms (all products) | GEMM TFLOP/s |")
-        print("|---|---|---|")
-        gemm = {}
-        for rows in sorted({b * (1 + L) for b in samples for L in lengths}):
-            gemm[rows] = gemm_seconds(model, rows)
-            print(f"| {rows} | {1e3 * gemm[rows][0]:.1f} | {gemm[rows][1] / gemm[rows][0] / 1e12:.2f} |", flush=True)
+    shapes = {str(b): (1, b) for b in samples}
+    all_rows = sorted({b * (1 + L) for b in samples for L in lengths})
+    weights = weight_bytes(model)
+    passes = []  # per pass: (bandwidth, {rows: (seconds, flops)}, {(cell, L): step seconds})
+    for run in range(args.repeats):
+        with torch.inference_mode():
+            bandwidth = read_bandwidth()
+            gemm = {rows: gemm_seconds(model, rows) for rows in all_rows}
+        print(f"pass {run + 1}/{args.repeats}: read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM "
+              f"{', '.join(f'{rows} rows {g[1] / g[0] / 1e12:.2f}' for rows, g in gemm.items())} TFLOP/s; "
+              "timing engine steps...", file=sys.stderr, flush=True)
+        costs = step_costs(list(shapes), lengths, 1, args.context, args.steps, "auto", args.dtype, shapes)
+        passes.append((bandwidth, gemm, {key: value[0] for key, value in costs.items()}))
 
-    def floor(b: int, L: int) -> tuple[float, str]:
-        memory = (weights + kv_bytes(config, element, b, prompt, args.context + L + 1)) / bandwidth
+    bandwidth = statistics.median(p[0] for p in passes)
+    print(f"{llm.dtype}, {torch.get_num_threads()} threads: read bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
+          f"{len(passes)} passes: {', '.join(f'{p[0] / 1e9:.1f}' for p in passes)}); weights "
+          f"{weights / 2**20:.0f} MiB (read once per step: {1e3 * weights / bandwidth:.1f} ms); prompt {prompt} "
+          f"tokens, {args.context} generated\n")
+    print("| rows | GEMM ms (all products) | GEMM TFLOP/s |")
+    print("|---|---|---|")
+    for rows in all_rows:
+        seconds = statistics.median(p[1][rows][0] for p in passes)
+        print(f"| {rows} | {1e3 * seconds:.1f} | {passes[0][1][rows][1] / seconds / 1e12:.2f} |")
+
+    def floor(machine, b: int, L: int) -> tuple[float, str]:
+        rate, gemm = machine
+        memory = (weights + kv_bytes(config, element, b, prompt, args.context + L + 1)) / rate
         compute = gemm[b * (1 + L)][0]
         return (memory, "memory") if memory >= compute else (compute, "GEMM")
 
-    print(f"\nTiming engine steps ({args.repeats} generations per shape)...", file=sys.stderr, flush=True)
-    shapes = {str(b): (1, b) for b in samples}
-    costs = step_costs(list(shapes), lengths, args.repeats, args.context, args.steps, "auto", args.dtype, shapes)
-
-    print("\n| samples | L | rows | floor ms (bound) | step ms | step / floor | perfect drafts: floor | perfect drafts: engine |")
+    print("\n| samples | L | rows | floor ms (bound) | step ms | step / floor | perfect drafts: floor | "
+          "perfect drafts: engine |")
     print("|---|---|---|---|---|---|---|---|")
     for b in samples:
-        plain_floor, _ = floor(b, 0)
         for L in lengths:
-            value, bound = floor(b, L)
-            step = statistics.median(costs[(str(b), L)])
-            ratio = statistics.median(s / p for s, p in zip(costs[(str(b), L)], costs[(str(b), 0)]))
+            floors = [floor((p[0], p[1]), b, L) for p in passes]
+            plain_floors = [floor((p[0], p[1]), b, 0)[0] for p in passes]
+            steps = [p[2][(str(b), L)] for p in passes]
+            plains = [p[2][(str(b), 0)] for p in passes]
+            value = statistics.median(f[0] for f in floors)
+            bound = statistics.mode(f[1] for f in floors)
+            step = statistics.median(steps)
+            over = statistics.median(s / f[0] for s, f in zip(steps, floors))
+            floor_gain = statistics.median((1 + L) * pf / f[0] for pf, f in zip(plain_floors, floors))
+            engine_gain = statistics.median((1 + L) * p / s for p, s in zip(plains, steps))
             print(f"| {b} | {L} | {b * (1 + L)} | {1e3 * value:.1f} ({bound}) | {1e3 * step:.1f} | "
-                  f"{step / value:.2f} | {(1 + L) * plain_floor / value:.2f}x | {(1 + L) / ratio:.2f}x |")
+                  f"{over:.2f} | {floor_gain:.2f}x | {engine_gain:.2f}x |")
 
 
 if __name__ == "__main__":
