@@ -16,11 +16,11 @@ Part 2 times the engine's steps at those shapes (one request of B samples, ``--c
 into the answer, every sample drafting an L-token chain of filler; ``bench_ceiling.py``'s cost
 side) and prints measured / floor. Machines that drift (shared cores) move both parts: each of
 the ``--repeats`` passes measures the machine and then times the steps, and a shape's step /
-floor is the median over passes of the ratio within a pass. The floor's ratio (1 + L) x floor(B, 0) / floor(B, L) is the
-ceiling of speculation at that shape with perfect drafts on ideal code; the same ratio of
-measured steps is the ceiling for this engine as it is.
+floor is the median over passes of the ratio within a pass. The floor's ratio (1 + L) x
+floor(B, 0) / floor(B, L) is the ceiling of speculation at that shape with perfect drafts on
+ideal code; the same ratio of measured steps is the ceiling for this engine as it is.
 
-    python benchmarks/roofline.py                         # 4, 16, 64, 128 samples x L 0, 1, 2, 4 (about 5 minutes)
+    python benchmarks/roofline.py                         # 4, 16, 64, 128 samples x L 0, 1, 2, 4 (about 7 minutes)
     python benchmarks/roofline.py --samples 16 --lengths 0,1 --dtype float32
 """
 
