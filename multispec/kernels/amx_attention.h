@@ -143,9 +143,15 @@ struct Scratch {
 };
 
 // One segment of keys (the prompt's or the sample's own): S^T rows [0, count) at ``st``.
+// The keys two blocks ahead are prefetched: a sample's own keys come from memory, and the tile
+// loads alone left the operator about 10% slower at 16-128 plain samples.
 inline void score_segment(const c10::BFloat16* keys, int64_t step, int64_t count, float* st, Scratch& s) {
   for (int64_t k0 = 0; k0 < count; k0 += 16) {
     const int64_t m = std::min<int64_t>(16, count - k0);
+    for (int64_t r = k0 + 32; r < std::min<int64_t>(k0 + 48, count); ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys + r * step), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(keys + r * step + 32), _MM_HINT_T0);
+    }
     if (m == 16) {
       _tile_loadd(4, keys + k0 * step, step * 2);
       _tile_loadd(5, keys + k0 * step + 32, step * 2);
