@@ -41,11 +41,6 @@
 namespace {
 
 using multispec_kernels::exp_nonpositive;
-#ifdef MULTISPEC_AMX
-constexpr int64_t multispec_amx_partial = multispec_amx::PARTIAL;
-#else
-constexpr int64_t multispec_amx_partial = 0;
-#endif
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = multispec_kernels::widen(src[d]);
@@ -394,15 +389,17 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
         float top = neg_inf;
         for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
         float total = 0.0f;
+#ifdef MULTISPEC_AMX
         if (amx) {
           const float* prior =
-              partial.get() + ((offsets[b] + i / group) * heads + h * group + i % group) * multispec_amx_partial;
+              partial.get() + ((offsets[b] + i / group) * heads + h * group + i % group) * multispec_amx::PARTIAL;
           top = std::max(top, prior[64]);
           const float rescale = prior[64] == neg_inf ? 0.0f : exp_nonpositive(prior[64] - top);
           total = prior[65] * rescale;
           float* a = acc.data() + i * dim;
           for (int64_t d = 0; d < dim; ++d) a[d] = prior[d] * rescale;
         }
+#endif
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < keys; ++j) {
           const float e = s[j] == neg_inf ? 0.0f : exp_nonpositive(s[j] - top);
