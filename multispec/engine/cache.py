@@ -15,17 +15,69 @@ live prompt, when requests are admitted. Resident memory therefore follows what 
 need, not the slots' capacity. Zeroed, not left as it was, because uninitialised memory can hold
 NaN, which a zero weight does not cancel; memory once zeroed only ever holds zeros or keys and
 values a forward wrote.
+
+Where memory is committed only when first touched (a CPU under Linux, transparent huge pages not
+forced on), the engine's cache lays out ``OVERCOMMIT`` times its budget in address space: more
+slots, or larger ones, than the budget could fill, since requests use only part of a slot
+(a server's layout must also suit requests that have not arrived). The budget then bounds what
+is resident: the scheduler admits a request only while the zeroed positions of all slots, its
+own included, fit ``capacity`` (``resident_after``), and when they would not, it hands the pages
+of slots nobody uses back to the system first (``release_unused``, ``madvise(MADV_DONTNEED)``;
+they are zeroed again before anyone reads them). A layout that replaces another hands back
+everything. Elsewhere (a GPU, whose memory is committed when allocated) the layout stays within
+the budget and the accounting never binds.
 """
 
 from __future__ import annotations
 
+import mmap
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from multispec.models.config import ModelConfig
 
 GIB = 1 << 30
+OVERCOMMIT = 4
+"""Address space the engine's cache lays out, in multiples of its budget, where memory is
+committed lazily (see the module's description)."""
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 does not name it
+
+
+def lazy_memory(device: torch.device | str) -> bool:
+    """Whether memory allocated on ``device`` is committed only as it is touched, page by page,
+    and can be handed back by range: a CPU under Linux where transparent huge pages are not
+    forced on (``always`` would commit 2 MiB around every touched byte)."""
+    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return "[always]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:  # no transparent huge pages at all
+        return True
+
+
+class _Reserved:
+    """Address space for ``count`` elements of ``dtype``, mapped without reserving memory for it
+    (``MAP_NORESERVE``: the kernel charges nothing until pages are touched, so a process holding
+    it can still fork, to run a sandboxed program say), as a flat tensor; ``hand_back`` returns
+    the whole pages inside one of its views to the system."""
+
+    def __init__(self, count: int, dtype: torch.dtype):
+        size = max(1, count * torch.empty((), dtype=dtype).element_size())
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.tensor = torch.frombuffer(self.map, dtype=dtype, count=count) if count else torch.empty(0, dtype=dtype)
+
+    def hand_back(self, view: torch.Tensor) -> None:
+        """The pages of a contiguous view read as zeros when next touched; partial pages at its
+        ends keep their contents."""
+        base = self.tensor.data_ptr()
+        start = view.data_ptr() - base
+        end = start + view.numel() * view.element_size()
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -54,21 +106,38 @@ class KVCache:
     head_dim] and ``sample_k``/``sample_v`` [layers, sample_slots, kv_heads, sample_capacity,
     head_dim]."""
 
-    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 overcommit: int = 1):
+        """``capacity``: the budget, tokens that may be resident; ``overcommit``: layouts may span
+        that many times as much address space (only where ``lazy_memory``; else 1)."""
         self.config = config
         self.capacity = capacity
+        self.overcommit = overcommit if overcommit > 1 and lazy_memory(device) else 1
+        self.room = capacity * self.overcommit
+        """Tokens a layout may span."""
         self.dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
         self.token_elements = self.dims[0] * self.dims[1] * self.dims[2]
-        total = capacity * self.token_elements
-        self.k_store = torch.empty(total, dtype=dtype, device=device)
-        self.v_store = torch.empty(total, dtype=dtype, device=device)
+        total = self.room * self.token_elements
+        if self.overcommit > 1:
+            self._reserved = (_Reserved(total, dtype), _Reserved(total, dtype))
+            self.k_store, self.v_store = (reserved.tensor for reserved in self._reserved)
+        else:
+            self.k_store = torch.empty(total, dtype=dtype, device=device)
+            self.v_store = torch.empty(total, dtype=dtype, device=device)
         self.shape: CacheShape | None = None
         self.free_prompt_slots: list[int] = []
+        self._prompt_ready: list[int] = []
+        self._sample_ready: list[int] = []
 
     def layout(self, shape: CacheShape) -> None:
-        """View the buffers as ``shape``'s slots; only while no slot is in use."""
-        if shape.tokens() > self.capacity:
-            raise ValueError(f"cache layout needs {shape.tokens()} tokens, room for {self.capacity}")
+        """View the buffers as ``shape``'s slots; only while no slot is in use. An overcommitted
+        cache hands back all its memory first (the old layout's zeroed positions mean nothing in
+        the new one)."""
+        if shape.tokens() > self.room:
+            raise ValueError(f"cache layout needs {shape.tokens()} tokens, room for {self.room}")
+        if self.overcommit > 1 and self.resident():
+            for reserved in self._reserved:
+                reserved.hand_back(reserved.tensor)
         layers, heads, dim = self.dims
         split = shape.prompt_slots * shape.prompt_capacity * self.token_elements
         end = split + shape.sample_slots * shape.sample_capacity * self.token_elements
@@ -113,6 +182,33 @@ class KVCache:
         and the given prompt slots up to ``prompt_length``, zeroing what was never zeroed."""
         _zero_up_to(self.sample_k, self.sample_v, self._sample_ready, list(range(sample_slots)), sample_length)
         _zero_up_to(self.prompt_k, self.prompt_v, self._prompt_ready, prompt_slots, prompt_length)
+
+    def resident(self) -> int:
+        """Positions zeroed or written so far in this layout, over all slots: what it holds resident."""
+        return sum(self._sample_ready) + sum(self._prompt_ready)
+
+    def resident_after(self, sample_slots: int, sample_length: int, prompt_slots: list[int], prompt_length: int) -> int:
+        """``resident()`` once ``ready`` had been called with these arguments."""
+        grown = sum(max(0, sample_length - r) for r in self._sample_ready[:sample_slots])
+        grown += sum(max(0, prompt_length - self._prompt_ready[p]) for p in set(prompt_slots))
+        return self.resident() + grown
+
+    def release_unused(self, sample_slots: int, prompt_slots: set[int]) -> None:
+        """Hand back the memory of sample slots from ``sample_slots`` on and of the prompt slots not
+        in ``prompt_slots`` (slots nobody uses; overcommitted caches only, elsewhere nothing)."""
+        if self.overcommit == 1:
+            return
+        if any(self._sample_ready[sample_slots:]):
+            for layer in range(self.dims[0]):
+                self._reserved[0].hand_back(self.sample_k[layer, sample_slots:])
+                self._reserved[1].hand_back(self.sample_v[layer, sample_slots:])
+            self._sample_ready[sample_slots:] = [0] * (len(self._sample_ready) - sample_slots)
+        for slot, ready in enumerate(self._prompt_ready):
+            if ready and slot not in prompt_slots:
+                for layer in range(self.dims[0]):
+                    self._reserved[0].hand_back(self.prompt_k[layer, slot])
+                    self._reserved[1].hand_back(self.prompt_v[layer, slot])
+                self._prompt_ready[slot] = 0
 
     def move_sample(self, src: int, dst: int, length: int) -> None:
         """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""

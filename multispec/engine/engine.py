@@ -26,7 +26,7 @@ import torch
 from multispec.drafters import DraftTree
 from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
-from multispec.engine.cache import GIB, CacheShape, KVCache, kv_bytes_per_token
+from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
@@ -91,7 +91,8 @@ class LLMEngine:
         self._sync = (lambda: torch.cuda.synchronize(self.device)) if on_gpu else (lambda: None)
         self.vocab_size = model.config.vocab_size
         per_token = kv_bytes_per_token(model.config, self.dtype)
-        self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.dtype, self.device)
+        self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.dtype, self.device,
+                             overcommit=OVERCOMMIT)
         self.scheduler = Scheduler(self.cache, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}

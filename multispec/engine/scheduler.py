@@ -2,7 +2,9 @@
 
 Requests wait in arrival order. Each step the scheduler admits waiting requests, first come first
 served, while the one at the head fits: a free prompt slot and n free sample slots of the current
-layout, whose capacities must hold its prompt and its samples' tokens. A request too big for the
+layout, whose capacities must hold its prompt and its samples' tokens, and room in the cache's
+budget for the memory its slots would touch (see ``KVCache``: where layouts overcommit, the
+budget binds before the slots run out). A request too big for the
 current layout waits, and so do those behind it, until no sample is left running; the cache is
 then laid out again for what waits (``plan``). A request that could not fit even alone in the
 whole cache is refused when it is added (``check_fits``).
@@ -73,35 +75,51 @@ class Scheduler:
             shape, current = self.plan(), self.cache.shape
             if current is None or _admissible(self.waiting, shape) > _admissible(self.waiting, current):
                 self.cache.layout(shape)
+        live = list({s.request: None for s in self.slots})
         while self.waiting:
             head = self.waiting[0]
             if not self.fits_layout(head):  # bigger than the layout in use: waits for it to drain
                 break
             if not self.cache.free_prompt_slots or len(self.slots) + reserved + head.n > self.cache.shape.sample_slots:
                 break
+            if not self._resident_fits(live, admitted, head, reserved):
+                # Hand back what finished requests left zeroed, then ask again.
+                self.cache.release_unused(len(self.slots) + reserved, {r.prompt_slot for r in live + admitted})
+                if not self._resident_fits(live, admitted, head, reserved):
+                    break
             self.waiting.popleft()
             head.prompt_slot = self.cache.take_prompt_slot()
             reserved += head.n
             admitted.append(head)
         if admitted:  # what attention may read from now on must be zeroed (see KVCache)
-            live = list({s.request: None for s in self.slots}) + admitted
+            live += admitted
             self.cache.ready(len(self.slots) + reserved, max(r.sample_need for r in live),
                              [r.prompt_slot for r in live], max(r.prompt_len for r in live))
         return admitted
 
+    def _resident_fits(self, live: list[Request], admitted: list[Request], head: Request, reserved: int) -> bool:
+        """Whether the cache stays within its budget once ``head`` joins (the memory ``ready``
+        would zero for it and everything before it)."""
+        requests = live + admitted + [head]
+        prompt_slots = [r.prompt_slot for r in live + admitted] + [self.cache.free_prompt_slots[-1]]
+        need = self.cache.resident_after(len(self.slots) + reserved + head.n, max(r.sample_need for r in requests),
+                                         prompt_slots, max(r.prompt_len for r in requests))
+        return need <= self.cache.capacity
+
     def plan(self) -> CacheShape:
         """A layout for the waiting requests: capacities for the largest of them, slots for as many
-        as fit in arrival order (at least the first), and the rest of the cache as more slots in
+        as fit the budget in arrival order (at least the first), and the rest of the room (the
+        budget, or more where the cache overcommits) as more slots in
         the same proportion of prompts to samples, or at least ``SPARE_PROMPTS`` prompts per
         sample. When they all fit, capacities grow toward ``SAMPLE_CAPACITY`` and
         ``PROMPT_CAPACITY`` as far as they all still fit."""
         waiting = list(self.waiting)
-        room = self.cache.capacity
+        budget, room = self.cache.capacity, self.cache.room
         need_s = max(r.sample_need for r in waiting)
         need_p = max(r.prompt_len for r in waiting)
         samples, prompts = 0, 0
         for request in waiting:
-            if prompts and (samples + request.n) * need_s + (prompts + 1) * need_p > room:
+            if prompts and (samples + request.n) * need_s + (prompts + 1) * need_p > budget:
                 break
             samples, prompts = samples + request.n, prompts + 1
         cs, cp = need_s, need_p

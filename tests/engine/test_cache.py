@@ -1,13 +1,18 @@
-"""The cache's storage and bookkeeping: allocated once, zeroed lazily, commit in place, slot moves."""
+"""The cache's storage and bookkeeping: allocated once, zeroed lazily, commit in place, slot moves,
+resident memory accounted and handed back where layouts overcommit."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from multispec.engine.attention import split_step
-from multispec.engine.cache import CacheShape, KVCache
+from multispec.engine.cache import CacheShape, KVCache, lazy_memory
 from multispec.models.config import ModelConfig
 
 CONFIG = ModelConfig.from_hf_dict(dict(
@@ -72,3 +77,57 @@ def test_a_step_is_split_only_where_one_part_would_pad_more_rows_than_it_has():
     assert not split_step(16, 4, 8, 40)
     # One sample drafts four tokens: one part would pad 15 x 4 rows for 20 real ones.
     assert split_step(16, 5, 1, 20)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not lazy_memory("cpu"), reason="memory here is not committed page by page")
+def test_an_overcommitted_cache_hands_back_the_memory_of_unused_slots():
+    """Slots nobody uses any more give their pages back: the process's resident memory drops by
+    about their size, they read as zeros again, and the slots still in use keep their contents."""
+    cache = KVCache(CONFIG, 100_000, torch.float32, overcommit=4)
+    assert cache.room == 400_000
+    shape = CacheShape(96, 4096, 4, 1024)  # 397,312 tokens of address space
+    cache.layout(shape)
+    cache.ready(64, 3000, [0, 1], 1000)
+    assert cache.resident() == 64 * 3000 + 2 * 1000
+    assert cache.resident_after(70, 3500, [0, 2], 1000) == cache.resident() + 64 * 500 + 6 * 3500 + 1000
+    cache.sample_k[:, :64, :, :3000] = 5.0
+    cache.sample_v[:, :64, :, :3000] = 5.0
+    cache.prompt_k[:, :2, :, :1000] = 3.0
+    before = resident_bytes()
+    cache.release_unused(16, {1})  # samples 0..15 and prompt slot 1 stay in use
+    released = 48 * 3000 + 1000  # tokens
+    dropped = before - resident_bytes()
+    assert dropped > 0.9 * released * cache.token_elements * 4 * 2, dropped
+    assert cache.resident() == 16 * 3000 + 1000
+    assert cache.sample_k[:, :16, :, :3000].eq(5.0).all() and cache.prompt_k[:, 1, :, :1000].eq(3.0).all()
+    cache.ready(64, 3000, [0, 1], 1000)  # the handed-back slots are zeroed again before anyone reads them
+    assert cache.sample_k[:, 16:64, :, :3000].eq(0).all() and cache.prompt_k[:, 0, :, :1000].eq(0).all()
+    assert cache.sample_k[:, :16, :, :3000].eq(5.0).all() and cache.prompt_k[:, 1, :, :1000].eq(3.0).all()
+    cache.layout(shape)  # a layout again hands back everything
+    assert cache.resident() == 0
+
+
+def test_a_cache_overcommits_only_where_memory_is_committed_lazily():
+    cache = KVCache(CONFIG, 1000, torch.float32, overcommit=4)
+    assert cache.room == (4000 if lazy_memory("cpu") else 1000)
+    assert not lazy_memory("meta")
+    with pytest.raises(ValueError, match="room for"):
+        cache.layout(CacheShape(cache.room // 10 + 1, 10, 0, 0))
+
+
+@pytest.mark.skipif(not lazy_memory("cpu"), reason="memory here is not committed page by page")
+def test_a_process_holding_an_overcommitted_cache_can_still_fork():
+    """The address space is mapped without reserving memory, so a process with a large cache
+    (here 4 x 12 GiB, more than this machine's memory) still forks a child, as the code sandbox
+    does; reserved the ordinary way, the fork failed with ENOMEM."""
+    caches = [KVCache(CONFIG, 3 * (1 << 30) // (CONFIG.num_hidden_layers * 2 * 4 * 4), torch.float32, overcommit=4)
+              for _ in range(2)]
+    assert sum(c.k_store.numel() + c.v_store.numel() for c in caches) * 4 >= 48 * (1 << 30)
+    done = subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True, text=True,
+                          preexec_fn=lambda: None, check=True)  # preexec_fn: a real fork, not vfork
+    assert done.stdout == "child\n"

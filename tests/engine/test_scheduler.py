@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multispec.engine.cache import KVCache
+from multispec.engine.cache import KVCache, lazy_memory
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import PROMPT_CAPACITY, SAMPLE_CAPACITY, SPARE_PROMPTS, Scheduler
 from multispec.models.config import ModelConfig
@@ -141,3 +141,38 @@ def test_an_idle_cache_is_laid_out_again_when_that_admits_more_of_what_waits():
     finish(s, only[0])
     s.waiting.extend(small)
     assert s.admit() == small and s.cache.shape.prompt_slots >= 40
+
+
+@pytest.mark.skipif(not lazy_memory("cpu"), reason="memory here is not committed page by page")
+def test_an_overcommitted_layout_admits_by_the_memory_requests_touch():
+    """Laid out with four times its budget in slots, the cache admits requests while the memory
+    their slots touch fits the budget: more samples than slots of full capacity would hold, and
+    never more than the budget resident. Memory that finished requests left zeroed goes back to
+    the system when a request needs more per sample than they did."""
+    budget = 20_000
+    s = Scheduler(KVCache(CONFIG, budget, torch.float32, overcommit=4), max_model_len=4096)
+    first = request(4, 50, 400, "first")
+    s.waiting.append(first)
+    run(s, s.admit())
+    assert s.cache.shape.sample_slots * s.cache.shape.sample_capacity > budget  # the layout overcommits
+    many = [request(4, 50, 400, str(i)) for i in range(60)]
+    s.waiting.extend(many)
+    running = s.admit()
+    run(s, running)
+    assert len(running) == (budget - 1650) // 1650  # 1,650 tokens each: 4 x 400 + 50
+    assert 4 * (1 + len(running)) > budget // SAMPLE_CAPACITY  # more than full-capacity slots would hold
+    assert s.cache.resident() <= budget
+    # A request whose samples need far more than the earlier ones arrives while one of them still
+    # runs: the memory the finished ones left zeroed is handed back, and it fits.
+    for r in running:
+        finish(s, r)
+    s.waiting.clear()
+    big = request(4, 50, SAMPLE_CAPACITY, "big")
+    s.waiting.append(big)
+    assert s.cache.resident() + 8 * (SAMPLE_CAPACITY - 400) > budget
+    assert s.admit() == [big]
+    assert s.cache.resident() == 8 * SAMPLE_CAPACITY + 2 * 50 <= budget
+    run(s, [big])
+    # Nothing more fits beside them: a request waits rather than exceed the budget.
+    s.waiting.append(request(32, 50, SAMPLE_CAPACITY, "later"))  # 40 x 512 + 150 > 20,000
+    assert s.admit() == []
