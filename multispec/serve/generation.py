@@ -173,9 +173,12 @@ class Run:
                 for chunk in self.fmt.opening(*head, len(self.choices)):
                     yield _event(chunk.model_dump_json())
                 async for index, out in self.generation:
-                    for choice_index, delta, logprobs in self._take(index, out):
-                        if delta.token_ids or delta.text or delta.finish_reason:
-                            yield _event(self.fmt.chunk(*head, choice_index, delta, logprobs).model_dump_json())
+                    # One write for all the chunks of one engine output (a step's deltas of n samples).
+                    events = [_event(self.fmt.chunk(*head, choice_index, delta, logprobs).model_dump_json())
+                              for choice_index, delta, logprobs in self._take(index, out)
+                              if delta.token_ids or delta.text or delta.finish_reason]
+                    if events:
+                        yield "".join(events)
                 if include_usage:
                     yield _event(self.fmt.tail(*head, usage=self.tally.usage(),
                                                speculation=self.tally.speculation()).model_dump_json())
