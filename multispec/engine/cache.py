@@ -113,17 +113,20 @@ class KVCache:
         self.config = config
         self.capacity = capacity
         self.overcommit = overcommit if overcommit > 1 and lazy_memory(device) else 1
-        self.room = capacity * self.overcommit
-        """Tokens a layout may span."""
         self.dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
         self.token_elements = self.dims[0] * self.dims[1] * self.dims[2]
-        total = self.room * self.token_elements
         if self.overcommit > 1:
-            self._reserved = (_Reserved(total, dtype), _Reserved(total, dtype))
-            self.k_store, self.v_store = (reserved.tensor for reserved in self._reserved)
-        else:
-            self.k_store = torch.empty(total, dtype=dtype, device=device)
-            self.v_store = torch.empty(total, dtype=dtype, device=device)
+            total = capacity * self.overcommit * self.token_elements
+            try:
+                self._reserved = (_Reserved(total, dtype), _Reserved(total, dtype))
+                self.k_store, self.v_store = (reserved.tensor for reserved in self._reserved)
+            except OSError:  # the kernel refuses unreserved address space (strict overcommit)
+                self.overcommit = 1
+        if self.overcommit == 1:
+            self.k_store = torch.empty(capacity * self.token_elements, dtype=dtype, device=device)
+            self.v_store = torch.empty(capacity * self.token_elements, dtype=dtype, device=device)
+        self.room = capacity * self.overcommit
+        """Tokens a layout may span."""
         self.shape: CacheShape | None = None
         self.free_prompt_slots: list[int] = []
         self._prompt_ready: list[int] = []

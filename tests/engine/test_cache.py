@@ -131,3 +131,19 @@ def test_a_process_holding_an_overcommitted_cache_can_still_fork():
     done = subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True, text=True,
                           preexec_fn=lambda: None, check=True)  # preexec_fn: a real fork, not vfork
     assert done.stdout == "child\n"
+
+
+def test_a_cache_falls_back_to_its_budget_where_unreserved_address_space_is_refused(monkeypatch):
+    """Under strict overcommit accounting the kernel refuses MAP_NORESERVE mappings it cannot
+    back; the cache then allocates its budget the ordinary way and lays out within it."""
+    import multispec.engine.cache as cache_module
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(cache_module, "lazy_memory", lambda device: True)
+    monkeypatch.setattr(cache_module._Reserved, "__init__", refuse)
+    cache = KVCache(CONFIG, 1000, torch.float32, overcommit=4)
+    assert (cache.overcommit, cache.room, cache.k_store.numel()) == (1, 1000, 1000 * cache.token_elements)
+    cache.layout(CacheShape(90, 10, 10, 10))
+    cache.release_unused(0, set())  # nothing to hand back: a no-op
