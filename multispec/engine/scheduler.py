@@ -82,10 +82,11 @@ class Scheduler:
                 break
             if not self.cache.free_prompt_slots or len(self.slots) + reserved + head.n > self.cache.shape.sample_slots:
                 break
-            if not self._resident_fits(live, admitted, head, reserved):
+            # Within a layout that fits the budget (no overcommit) the memory always fits too.
+            if self.cache.overcommit > 1 and not self._resident_fits(live + admitted, head, reserved):
                 # Hand back what finished requests left zeroed, then ask again.
                 self.cache.release_unused(len(self.slots) + reserved, {r.prompt_slot for r in live + admitted})
-                if not self._resident_fits(live, admitted, head, reserved):
+                if not self._resident_fits(live + admitted, head, reserved):
                     break
             self.waiting.popleft()
             head.prompt_slot = self.cache.take_prompt_slot()
@@ -93,18 +94,21 @@ class Scheduler:
             admitted.append(head)
         if admitted:  # what attention may read from now on must be zeroed (see KVCache)
             live += admitted
-            self.cache.ready(len(self.slots) + reserved, max(r.sample_need for r in live),
-                             [r.prompt_slot for r in live], max(r.prompt_len for r in live))
+            self.cache.ready(*self._zeroing(live, [r.prompt_slot for r in live], len(self.slots) + reserved))
         return admitted
 
-    def _resident_fits(self, live: list[Request], admitted: list[Request], head: Request, reserved: int) -> bool:
-        """Whether the cache stays within its budget once ``head`` joins (the memory ``ready``
-        would zero for it and everything before it)."""
-        requests = live + admitted + [head]
-        prompt_slots = [r.prompt_slot for r in live + admitted] + [self.cache.free_prompt_slots[-1]]
-        need = self.cache.resident_after(len(self.slots) + reserved + head.n, max(r.sample_need for r in requests),
-                                         prompt_slots, max(r.prompt_len for r in requests))
-        return need <= self.cache.capacity
+    @staticmethod
+    def _zeroing(requests: list[Request], prompt_slots: list[int], samples: int) -> tuple:
+        """``KVCache.ready``'s arguments for these requests and the first ``samples`` sample slots:
+        every slot zeroed as far as the longest of them may be read."""
+        return samples, max(r.sample_need for r in requests), prompt_slots, max(r.prompt_len for r in requests)
+
+    def _resident_fits(self, running: list[Request], head: Request, reserved: int) -> bool:
+        """Whether the cache stays within its budget once ``head`` joins the ``running`` requests
+        (the memory ``ready`` would zero for them all; ``head`` gets the next free prompt slot)."""
+        prompt_slots = [r.prompt_slot for r in running] + [self.cache.free_prompt_slots[-1]]
+        zeroing = self._zeroing(running + [head], prompt_slots, len(self.slots) + reserved + head.n)
+        return self.cache.resident_after(*zeroing) <= self.cache.capacity
 
     def plan(self) -> CacheShape:
         """A layout for the waiting requests: capacities for the largest of them, slots for as many
