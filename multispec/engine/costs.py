@@ -385,10 +385,15 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
 
     device = engine.device
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
-    compiled = compiled_kernel(device) is not None
+    from multispec import kernels
+
+    # The kernels' build (their sources and flags) and whether products stream through AMX tiles
+    # change what a step costs: either re-measures.
+    compiled = kernels.build_key() if compiled_kernel(device) is not None else None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled}
+            "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled,
+            "amx_products": device.type == "cpu" and engine.dtype == torch.bfloat16 and kernels.stream_available()}
 
 
 def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:

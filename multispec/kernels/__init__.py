@@ -1,12 +1,14 @@
 """Compiled CPU kernels, built on first use with the machine's C++ compiler and cached.
 
-Three operators for the decode step, in one library: the attention over the two-level cache
+Four operators for the decode step, in one library: the attention over the two-level cache
 (``decode_attention.cpp``; the generic fused attention pays a fixed cost per (sample, kv head)
 matrix and per call that dominates small decode steps on a CPU), the whole layer stack around it
 (``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one by
-one) and the step's target distribution from its logits (``sampling.cpp``; four passes over a
-[rows, vocabulary] matrix in the Python path). They are compiled once per machine, torch version and source (about 15 seconds on a
-2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with
+one), the step's target distribution from its logits (``sampling.cpp``; four passes over a
+[rows, vocabulary] matrix in the Python path) and the matrix products of a few rows on AMX tiles
+(``stream_gemm.cpp``; bound by reading the weights, which the CPU library's product does at about
+half the machine's bandwidth). They are compiled once per machine, torch version and source
+(about 15 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with
 ``-O3 -march=native``. Where they cannot be built (no compiler, no ninja) the engine keeps its
 portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
 """
@@ -25,7 +27,7 @@ import torch
 
 log = logging.getLogger("multispec")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp", "stream_gemm.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attention.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
@@ -38,14 +40,19 @@ def enabled() -> bool:
     return os.environ.get("MULTISPEC_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _build_dir() -> Path:
+def build_key() -> str:
+    """What the compiled library depends on (sources, flags, torch, the machine), hashed."""
     from multispec.engine.costs import machine
-    from multispec.models.loading import default_cache_dir
 
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + torch.__version__.encode()
-                         + platform.machine().encode() + machine().encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / key
+    return hashlib.sha256(source + " ".join(FLAGS).encode() + torch.__version__.encode()
+                          + platform.machine().encode() + machine().encode()).hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    from multispec.models.loading import default_cache_dir
+
+    return default_cache_dir() / "kernels" / build_key()
 
 
 def decode_attention():
@@ -62,6 +69,18 @@ def decode_layers():
 def softmax_rows():
     """``torch.ops.multispec.softmax_rows`` (see ``sampling.cpp``), or None as above."""
     return _op("softmax_rows")
+
+
+def stream_linear():
+    """``torch.ops.multispec.stream_linear`` (see ``stream_gemm.cpp``), or None as above."""
+    return _op("stream_linear")
+
+
+def stream_available() -> bool:
+    """Whether products of a few rows can stream their weights through the AMX tiles (the kernels
+    are built, the CPU has the tiles, Linux grants them and ``MULTISPEC_AMX`` is not "0", read at
+    every call)."""
+    return _op("stream_available") is not None and bool(torch.ops.multispec.stream_available())
 
 
 def _op(name: str):

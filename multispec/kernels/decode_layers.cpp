@@ -8,7 +8,8 @@
 // add + norm, the fused q/k/v product, the rotation of q and k in place, the compiled attention
 // (decode_attention.cpp), the output product, add + norm, the fused gate/up product, the gate's
 // activation times up, the down product. The products are the same calls the Python path makes
-// (the CPU library's prepacked product, or at::linear), and every element-wise step rounds where
+// (the tile-streaming product for a few rows where the CPU has AMX, else the CPU library's
+// prepacked product, or at::linear), and every element-wise step rounds where
 // the Python path rounds (to the model's dtype after each operator), so both paths agree to the
 // last bit except where a sum runs in another order (the norm's mean of squares).
 
@@ -34,6 +35,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                             const at::Tensor& prompt_v, const at::Tensor& sample_slot, const at::Tensor& offsets,
                             const at::Tensor& counts, const at::Tensor& written, const at::Tensor& prompt_slot,
                             const at::Tensor& prompt_len, const at::Tensor& tree_mask, double scale);
+at::Tensor stream_product(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+bool stream_enabled();
 }
 
 namespace {
@@ -137,7 +140,11 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
                                 std::optional<std::string_view>);
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed) {
+// The product the Python path's ``Projection`` makes for these rows: the tile-streaming product
+// (stream_gemm.cpp) where the weight has its layout and the rows are few, else the library's.
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
+                   const at::Tensor* stream, int64_t stream_rows) {
+  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_enabled()) return multispec::stream_product(x, *stream, bias);
   if (!packed) return at::linear(x, weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -151,7 +158,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                   at::TensorList o, const c10::List<std::optional<at::Tensor>>& o_bias, at::TensorList gate_up,
                   const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
                   const c10::List<std::optional<at::Tensor>>& down_bias, const at::Tensor& final_norm, bool packed,
-                  int64_t heads, int64_t kv_heads, double eps, const at::Tensor& sample_k, const at::Tensor& sample_v,
+                  at::TensorList stream, int64_t stream_rows, int64_t heads, int64_t kv_heads, double eps,
+                  const at::Tensor& sample_k, const at::Tensor& sample_v,
                   const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
                   const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
                   const at::Tensor& prompt_slot, const at::Tensor& prompt_len, const at::Tensor& tree_mask,
@@ -159,21 +167,26 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   const int64_t tokens = x.size(0), dim = sample_k.size(-1);
   at::Tensor normed = at::empty_like(x);
   at::Tensor delta;  // the last block's output, added to x by the next add_norm
-  for (size_t layer = 0; layer < qkv.size(); ++layer) {
+  const size_t n = qkv.size();
+  // The tile-streaming layout of product ``kind`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
+  auto streamed = [&](size_t kind, size_t layer) { return stream.empty() ? nullptr : &stream[kind * n + layer]; };
+  for (size_t layer = 0; layer < n; ++layer) {
     add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps);
-    at::Tensor fused = product(normed, qkv[layer], qkv_bias.get(layer), packed).view({tokens, heads + 2 * kv_heads, dim});
+    at::Tensor fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows)
+                           .view({tokens, heads + 2 * kv_heads, dim});
     rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
     at::Tensor q = fused.narrow(1, 0, heads), k = fused.narrow(1, heads, kv_heads);
     at::Tensor v = fused.narrow(1, heads + kv_heads, kv_heads);
     at::Tensor attended = multispec::decode_attention(
         q, k, v, sample_k.select(0, layer), sample_v.select(0, layer), prompt_k.select(0, layer),
         prompt_v.select(0, layer), sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
-    delta = product(attended.view({tokens, heads * dim}), o[layer], o_bias.get(layer), packed);
+    delta = product(attended.view({tokens, heads * dim}), o[layer], o_bias.get(layer), packed, streamed(1, layer),
+                    stream_rows);
     add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps);
-    at::Tensor both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed);
+    at::Tensor both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, streamed(2, layer), stream_rows);
     at::Tensor activated = at::empty({tokens, both.size(1) / 2}, x.options());
     silu_mul<scalar_t>(both, activated);
-    delta = product(activated, down[layer], down_bias.get(layer), packed);
+    delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows);
   }
   at::Tensor out = at::empty_like(x);
   add_norm<scalar_t>(x, delta, final_norm, out, eps);
@@ -186,7 +199,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const c10::List<std::optional<at::Tensor>>& o_bias, at::TensorList gate_up,
                          const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
                          const c10::List<std::optional<at::Tensor>>& down_bias, const at::Tensor& final_norm,
-                         bool packed, int64_t heads, int64_t kv_heads, double eps, const at::Tensor& sample_k,
+                         bool packed, at::TensorList stream, int64_t stream_rows, int64_t heads, int64_t kv_heads,
+                         double eps, const at::Tensor& sample_k,
                          const at::Tensor& sample_v, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
                          const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
                          const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
@@ -212,12 +226,12 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
-                           down, down_bias, final_norm, packed, heads, kv_heads, eps, sample_k, sample_v, prompt_k,
-                           prompt_v, sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
+                           down, down_bias, final_norm, packed, stream, stream_rows, heads, kv_heads, eps, sample_k,
+                           sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
     case at::kBFloat16:
       return layers<c10::BFloat16>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
-                                   gate_up_bias, down, down_bias, final_norm, packed, heads, kv_heads, eps, sample_k,
-                                   sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot,
+                                   gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, heads,
+                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot,
                                    prompt_len, tree_mask, scale);
     default:
       TORCH_CHECK(false, "decode_layers runs float32 and bfloat16 models");
@@ -229,7 +243,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, "
         "Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
-        "Tensor?[] down_bias, Tensor final_norm, bool packed, int heads, int kv_heads, float eps, "
+        "Tensor?[] down_bias, Tensor final_norm, bool packed, Tensor[] stream, int stream_rows, int heads, "
+        "int kv_heads, float eps, "
         "Tensor(a!) sample_k, Tensor(b!) sample_v, Tensor prompt_k, Tensor prompt_v, Tensor sample_slot, "
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
         "float scale) -> Tensor");

@@ -15,6 +15,8 @@ reference it is tested against and the path for prefill, other devices and other
 
 from __future__ import annotations
 
+import os
+
 from typing import Protocol
 
 import torch
@@ -37,6 +39,13 @@ AVX512-BF16 CPU, a layer stack's products at 1 to 512 rows ran within 10% of the
 1, 16 and 128 at every row count, in bf16 and float32 (``experiments/packed_gemm.py``)."""
 
 
+STREAM_ROWS = 32
+"""Products of at most this many rows stream their weight through the AMX tiles
+(``multispec/kernels/stream_gemm.cpp``) where the CPU has them: bound by reading the weight, they
+ran a layer stack's products 1.3-1.6x faster than oneDNN's prepacked product from 1 to 32 rows on
+a 2-core Xeon with AMX, and slower from 48 rows on (``experiments/stream_gemm.py``)."""
+
+
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be prepacked for the CPU's GEMM library (oneDNN)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -55,15 +64,20 @@ class Projection:
     alike, see ``experiments/packed_gemm.py``); the packed weight is an opaque tensor that only this
     product reads, so the plain one can be released."""
 
-    __slots__ = ("weight", "bias", "packed", "shape")
+    __slots__ = ("weight", "bias", "packed", "shape", "stream")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         self.shape = tuple(weight.shape)
         self.packed = pack
+        self.stream = _stream_layout(weight) if pack else None
+        """The weight laid out for the tile-streaming product of ``STREAM_ROWS`` rows or fewer, where
+        the CPU has AMX (a second copy of the weight); else None."""
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS) if pack else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stream is not None and x.shape[0] <= STREAM_ROWS and _amx_on():
+            return torch.ops.multispec.stream_linear(x, self.stream, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -212,6 +226,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _amx_on() -> bool:
+    """``MULTISPEC_AMX`` is not "0" (read at every call, as the kernels do, so that a comparison
+    can switch paths in one process)."""
+    return os.environ.get("MULTISPEC_AMX", "1") != "0"
+
+
+def _stream_layout(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` laid out for ``stream_linear`` where that product runs here (bf16 on a CPU with
+    AMX tiles, compiled kernels, out and in features multiples of 32), else None."""
+    out_features, in_features = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % 32 or in_features % 32):
+        return None
+    from multispec import kernels
+
+    if not kernels.stream_available():
+        return None
+    return torch.ops.multispec.stream_pack(weight.detach())
+
+
 class LlamaForCausalLM(nn.Module):
     """Packed-token causal LM: ``forward(token_ids[T], positions[T], attention) -> logits[T, V]``."""
 
@@ -281,7 +314,10 @@ class LlamaForCausalLM(nn.Module):
                 [layer.input_layernorm.weight for layer in layers],
                 [layer.post_attention_layernorm.weight for layer in layers],
                 *[part for i in range(4) for part in ([p[i].weight for p in products], [p[i].bias for p in products])],
-                self.model.norm.weight, bool(products[0][0].packed), config.num_attention_heads,
+                self.model.norm.weight, bool(products[0][0].packed),
+                [p[i].stream for i in range(4) for p in products] if all(
+                    p[i].stream is not None for p in products for i in range(4)) else [],
+                STREAM_ROWS, config.num_attention_heads,
                 config.num_key_value_heads, float(config.rms_norm_eps))
         return op, self._stack_weights, args
 

@@ -1,0 +1,120 @@
+"""A decode step's matrix products on AMX tiles streaming each weight once, against oneDNN.
+
+Times all products of a 30-layer stack shaped like the default model (fused q/k/v 960 x 576, o
+576 x 576, fused gate/up 3072 x 576, down 576 x 1536, then the 49,152 x 576 output head; 256 MiB
+of bf16 weights, far larger than any cache) at 1 to 128 rows: oneDNN's linear on weights
+prepacked for it (the engine's product before) and ``multispec.stream_linear`` on weights laid out
+for the tiles. Interleaved, median of several passes. Also prints the machine's read bandwidth
+(one ``sum`` over 1 GiB), the floor of any product that reads its weights once.
+
+    python experiments/stream_gemm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import sys
+from pathlib import Path
+
+import torch
+
+from multispec import kernels
+from multispec.models import llama
+from multispec.models.llama import PACK_ROWS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,4,8,16,20,32,48,64,96,128")
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--steps", action="store_true", help="time engine steps, tile product on and off")
+    parser.add_argument("--cells", default="4, one at a time;16, one at a time;8x4")
+    parser.add_argument("--lengths", default="0,1,2,4")
+    parser.add_argument("--context", type=int, default=128)
+    args = parser.parse_args()
+    if args.steps:
+        return steps(args)
+    torch.manual_seed(0)
+    if not kernels.stream_available():
+        raise SystemExit("this CPU has no AMX tiles (or the kernels are off)")
+    ops = torch.ops.multispec
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for _ in range(30) for n, k in SHAPES]
+    weights.append(torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+    stream = [ops.stream_pack(w) for w in weights]
+    big = torch.ones(1 << 29, dtype=torch.bfloat16)
+    read = statistics.median(timed(lambda: big.sum()) for _ in range(5))
+    del big
+    total = sum(w.numel() * 2 for w in weights)
+    print(f"read bandwidth {2 ** 30 / read / 1e9:.1f} GB/s: weights {total / 2 ** 20:.0f} MiB read once "
+          f"= {total / (2 ** 30 / read) * 1e3:.1f} ms")
+
+    # Correctness against a float32 reference on each shape.
+    for w, s in zip(weights[:4] + weights[-1:], stream[:4] + stream[-1:]):
+        x = torch.randn(37, w.shape[1], dtype=torch.bfloat16)
+        ref = x.float() @ w.float().T
+        got = ops.stream_linear(x, s, None).float()
+        err = ((got - ref).abs() / (ref.abs() + 1e-2)).max().item()
+        assert err < 2e-2, (w.shape, err)
+
+    print("| rows | oneDNN ms | stream ms | ratio |")
+    print("|---|---|---|---|")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        a_runs, b_runs = [], []
+
+        def run_onednn():
+            for w, p in zip(weights, onednn):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        def run_stream():
+            for w, p in zip(weights, stream):
+                ops.stream_linear(xs[w.shape[1]], p, None)
+
+        run_onednn(), run_stream()
+        for _ in range(args.passes):
+            a_runs.append(timed(run_onednn))
+            b_runs.append(timed(run_stream))
+        a, b = statistics.median(a_runs) * 1e3, statistics.median(b_runs) * 1e3
+        print(f"| {rows} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
+
+
+def steps(args) -> None:
+    from bench_ceiling import step_costs
+
+    cells = [c.strip() for c in args.cells.split(";") if c.strip()]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    default_rows = llama.STREAM_ROWS
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for repeat in range(args.passes):
+        variants = [("oneDNN", 0), ("tiles", default_rows)]
+        for name, rows in variants if repeat % 2 == 0 else variants[::-1]:
+            llama.STREAM_ROWS = rows
+            costs = step_costs(cells, lengths, 1, args.context, 4, "cpu")
+            for (cell, length), seconds in costs.items():
+                times.setdefault((name, cell, length), []).extend(seconds)
+    llama.STREAM_ROWS = default_rows
+    print("| cell | L | oneDNN ms | tiles ms | ratio |")
+    print("|---|---|---|---|---|")
+    for cell in cells:
+        for length in lengths:
+            a = statistics.median(times[("oneDNN", cell, length)]) * 1e3
+            b = statistics.median(times[("tiles", cell, length)]) * 1e3
+            print(f"| {cell} | {length} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
