@@ -44,15 +44,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 6
+FORMAT = 7
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
 prepacked weights, so prices measured before are stale; 3: the compiled CPU attention; 4: the
 compiled layer stack; 5: draft rows' attention on AMX tiles; 6: every prompt half on AMX tiles,
-sixteen rows of a prompt's samples at a time)."""
+sixteen rows of a prompt's samples at a time; 7: a point at 17 samples, see ``PLAIN_BATCHES``)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
-PLAIN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
-"""Samples per measured plain step: the base curve's points."""
+PLAIN_BATCHES = (1, 2, 4, 8, 16, 17, 32, 64, 128)
+"""Samples per measured plain step: the base curve's points. 17 because products of a few rows on
+AMX tiles take their rows sixteen at a time (``multispec/kernels/stream_gemm.cpp``): a 17th row
+costs a second pass of tile products, about 40% more on a step of 16 samples on a 2-core Xeon,
+which a line from 16 to 32 would spread over the next sixteen rows and so price a first draft
+token of a 16-sample step far too low."""
 DRAFT_BATCHES = (1, 4, 16, 64)
 """Samples per measured drafting step (each drafts ``DRAFT_LENGTHS`` tokens in turn): the points of
 ``extra``, and the base curve past the largest plain step."""
