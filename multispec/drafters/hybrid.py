@@ -71,6 +71,12 @@ class HybridDrafter:
         self.consensus.remove(sample_id)
         self.model.remove(sample_id)
 
+    def limit(self, chances: Sequence[float], floor: float) -> None:
+        """The draft budget's measured acceptance per confidence bin of nodes without a sibling
+        match (the head's), and the calibrated chance below which a head node is not extended:
+        its children could not be kept. 0: full depth."""
+        self.model.limit(chances, floor)
+
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
         budgets = [max(0, min(b, self.max_nodes)) for b in budgets]

@@ -67,6 +67,10 @@ class ModelDrafter:
         """Per sample, its newest tokens: the one written after each feature above."""
         self.model_time = 0.0
         """Seconds spent in the head's forwards and draws (``RunStats.time_draft_model``)."""
+        self.chances: torch.Tensor | None = None
+        """Copied drafts under a draft budget: its measured acceptance per confidence bin (see
+        ``limit``); a chain stops where the product along its path falls below ``floor``."""
+        self.floor = 0.0
         self.model_forwards = 0
 
     @classmethod
@@ -118,6 +122,20 @@ class ModelDrafter:
         self.features.pop(sample_id, None)
         self.tokens.pop(sample_id, None)
 
+    def limit(self, chances: Sequence[float], floor: float) -> None:
+        """Copied drafts only (their trees may be cut by what was drawn; the deterministic scheme
+        is exact for any tree): a node whose calibrated chance, the product of ``chances`` (per
+        bin of ``CONFIDENCE_EDGES``) over its path's confidences, is below ``floor`` is not
+        extended. Sampled drafts ignore it: their law must not depend on what was drawn."""
+        self.chances = torch.tensor(list(chances), dtype=torch.float32, device=self.device)
+        self.floor = float(floor)
+
+    def _chance(self, confidence: torch.Tensor) -> torch.Tensor:
+        from multispec.engine.budget import CONFIDENCE_EDGES
+
+        edges = torch.tensor(CONFIDENCE_EDGES, dtype=confidence.dtype, device=confidence.device)
+        return self.chances[torch.bucketize(confidence, edges, right=True)]
+
     # ------------------------------------------------------------------ drafting
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
@@ -158,11 +176,16 @@ class ModelDrafter:
         levels = [(node_sample, node_pick, probs[node_sample], None)]  # q rows: the distribution drawn from
         chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
         depth_of = torch.tensor(depth, device=device)
+        pruned = self.copied and self.floor > 0 and self.chances is not None
+        chance = self._chance(node_prob) if pruned else None
         # The row of the previous forward (of the root, then of each depth) each frontier node continues.
         parent_rows = node_sample
         d = 1
         while True:
-            grow = torch.nonzero(depth_of[node_sample] > d)[:, 0]
+            growing = depth_of[node_sample] > d
+            if pruned:
+                growing &= chance >= self.floor
+            grow = torch.nonzero(growing)[:, 0]
             if grow.numel() == 0:
                 break
             # The draft's state at each growing node gives its child's distribution.
@@ -181,6 +204,8 @@ class ModelDrafter:
             levels.append((node_sample[rows], child, child_probs[keep], rows))
             node_sample, chain, node_pick = node_sample[rows], chain[rows], child
             node_prob = child_probs[keep].gather(1, child[:, None])[:, 0]
+            if pruned:
+                chance = chance[rows] * self._chance(node_prob)
             parent_rows = keep
             d += 1
         return self._trees(count, levels, greedy)

@@ -124,6 +124,10 @@ class DraftBudget:
         self.costs = costs
         self.idle = 0
         """Steps in a row whose drafts were all left out (or not asked for)."""
+        self.cutoff: float | None = None
+        """Scored drafts: the lowest chance among the nodes the last ``select`` kept (None where it
+        kept none). A drafter that grows its trees itself (the hybrid's head) need not extend a
+        node whose chance is far below it: its children's chances are lower still."""
         self.max_evidence = max_evidence
         calibration = calibration or Calibration.prior(max_depth, max_evidence)
         # The lists are the calibration's own: what this budget counts, the engine keeps.
@@ -138,6 +142,12 @@ class DraftBudget:
         """Measured acceptance of nodes the drafter gave this confidence and match length."""
         k, e = self._cell(confidence, evidence)
         return self.cal_kept[k][e] / self.cal_tried[k][e]
+
+    def chance_table(self, evidence: int = 0) -> list[float]:
+        """Measured acceptance per confidence bin (``CONFIDENCE_EDGES``) of nodes with this match
+        length: ``calibrated`` for every bin at once."""
+        e = min(max(evidence, 0), self.max_evidence)
+        return [kept[e] / tried[e] for kept, tried in zip(self.cal_kept, self.cal_tried)]
 
     def record_nodes(self, trees: list[DraftTree], paths: list[list[int]]) -> None:
         """Every node whose parent was accepted was tried; it was kept if it is on the accepted path."""
@@ -198,6 +208,7 @@ class DraftBudget:
                 keep, best_rate = k, rate
                 paid = gained / (step + drafting) > plain
         self.idle = 0 if paid else self.idle + 1
+        self.cutoff = -candidates[keep - 1][0] if keep else None
         kept: list[list[int]] = [[] for _ in trees]
         for _, _, b, i in candidates[:keep]:
             kept[b].append(i)

@@ -20,6 +20,11 @@ from multispec.params import SpecConfig
 from multispec.verify import DraftLaw
 
 
+GROW_SLACK = 0.5
+"""A hybrid lane's head extends a node while its calibrated chance is at least this fraction of the
+lowest chance the budget kept last step (the cut moves a little from step to step)."""
+
+
 def lane_key(spec: SpecConfig, request_params) -> tuple:
     """Requests with equal keys share a lane."""
     sp = request_params
@@ -78,6 +83,11 @@ class Lane:
             nodes = min(nodes, length * self.width) if length < spec.max_draft_tokens else nodes
         elif spec.adaptive and not self.budget.wants_drafts():
             return none
+        elif spec.adaptive and hasattr(self.drafter, "limit"):
+            # A drafter that grows its own trees (the hybrid's head) stops a chain where its
+            # calibrated chance falls well below what the budget kept last step.
+            cutoff = self.budget.cutoff
+            self.drafter.limit(self.budget.chance_table(0), 0.0 if cutoff is None else GROW_SLACK * cutoff)
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - batch)

@@ -453,3 +453,33 @@ def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setu
     stats = llm.last_stats
     assert stats.drafted_tokens > 0
     assert stats.draft_forwards <= 3 * stats.decode_forwards
+
+
+def test_hybrid_head_stops_chains_below_the_budgets_cut(setup):
+    """Copied head drafts (the hybrid's) stop a chain where the product of the budget's measured
+    acceptance over its confidences falls below the floor the lane sets from the last step's cut;
+    with no floor they run the full depth, and sampled drafts ignore the floor."""
+    llm, head, prompt, _ = setup
+    loaded = DraftHead.load(head).attach(llm.model)
+    hidden = llm.config.hidden_size
+
+    def depths(copied: bool, chances: list[float] | None, floor: float) -> list[int]:
+        drafter = ModelDrafter.create(head=loaded, max_depth=4, max_nodes=8, num_candidates=2, temperature=1.0)
+        drafter.copied = copied
+        if chances is not None:
+            drafter.limit(chances, floor)
+        gen = torch.Generator().manual_seed(0)
+        for sample in range(3):
+            drafter.observe(sample, prompt[-4:])
+            drafter.observe_features([sample], [torch.randn(4, hidden, generator=gen)])
+        uniforms = None if copied else [[0.5] * 8] * 3
+        trees = drafter.propose([0, 1, 2], [8, 8, 8], uniforms)
+        return [max(t.depths()) if t.tokens else 0 for t in trees]
+
+    bins = 9  # one more than CONFIDENCE_EDGES
+    assert depths(True, None, 0.0) == [4, 4, 4]
+    assert depths(True, [1.0] * bins, 0.5) == [4, 4, 4]
+    # Every node calibrated at 0.4: paths 0.4, 0.16, 0.064, so nodes at depth 3 are not extended.
+    assert depths(True, [0.4] * bins, 0.1) == [3, 3, 3]
+    assert depths(True, [0.4] * bins, 0.5) == [1, 1, 1]
+    assert depths(False, [0.4] * bins, 0.5) == [4, 4, 4]
