@@ -74,7 +74,8 @@ class HybridDrafter:
     def limit(self, chances: Sequence[float], floor: float) -> None:
         """The draft budget's measured acceptance per confidence bin of nodes without a sibling
         match (the head's), and the calibrated chance below which a head node is not extended:
-        its children could not be kept. 0: full depth."""
+        its children could not be kept. 0: full depth. A causal LM draft (``CheckpointDrafter``)
+        keeps drafting its chains whole."""
         self.model.limit(chances, floor)
 
     def propose(self, sample_ids: list[int], budgets: list[int],

@@ -133,6 +133,15 @@ def test_greedy_with_a_checkpoint_draft_is_greedy_decoding(setup, drafter):
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
 
 
+def test_hybrid_with_a_checkpoint_draft_under_the_default_budget_is_greedy_decoding(setup):
+    llm, _, other, prompt = setup
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
+    plain = llm.generate([prompt], greedy, SpecConfig(), use_tqdm=False)[0]
+    config = SpecConfig(drafter="hybrid", draft_model=str(other), num_candidates=2, max_draft_tokens=3)
+    out = llm.generate([prompt], greedy, config, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
+
+
 def test_commit_moves_accepted_nodes_into_place(setup):
     """Drafter level: after an accepted second candidate (not in place) its keys move to the
     front of the sample's text, and only the bonus token is left to catch up."""
