@@ -6,10 +6,10 @@
 // rows. Here the weight is laid out once, at load, in exactly the order the tiles consume it, so a
 // product is one sequential read of it: panels of 32 output columns, each panel's K in blocks of 32,
 // each block two 1 KiB tiles (16 columns each) in the tiles' pair layout (row r holds k = 2r, 2r + 1
-// of every column). Up to 48 rows of x take one pass over the weight (three row blocks of 16 times
-// two column blocks of accumulators: six tiles, one for x, one for the weight); more rows take one
-// pass per 48. Each output row is a function of its own x row only, accumulated in float32 in the
-// same order whatever the row count, then rounded once (with the bias added) to bf16.
+// of every column). Up to 48 rows of x take one pass over the weight, in row blocks of up to 16
+// (the last block's tiles hold only the rows there are, so x is read in place, never padded); more
+// rows take one pass per 48. Each output row is a function of its own x row only, accumulated in
+// float32 in the same order whatever the row count, then rounded once (with the bias added) to bf16.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,11 +52,23 @@ bool stream_available() {
 
 #ifdef MULTISPEC_AMX
 
-void configure_stream() {
+// Tile shapes for a chunk of ``rows`` rows (up to 48): every row block but the last has 16 rows,
+// the last the rest, so its x tile reads only rows that exist and its products only compute them.
+// The weight tiles always have 16 rows (32 of the reduction in pairs).
+void configure_stream(int64_t rows) {
+  const int blocks = static_cast<int>((rows + 15) / 16);
   multispec_amx::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = 16;
+  }
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t r = static_cast<uint8_t>(b + 1 < blocks ? 16 : rows - 16 * b);
+    if (blocks < 3) {  // panel_product: accumulators 2b and 2b + 1, x in 4 + b
+      config.rows[2 * b] = config.rows[2 * b + 1] = config.rows[4 + b] = r;
+    } else {  // panel_product3: accumulator b, x in 4 + b
+      config.rows[b] = config.rows[4 + b] = r;
+    }
   }
   _tile_loadconfig(&config);
 }
@@ -138,13 +150,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
   if (rows == 0) return y;
 #ifdef MULTISPEC_AMX
   TORCH_CHECK(stream_available(), "stream_linear needs the CPU's tile registers (AMX)");
-  const int64_t padded = (rows + 15) / 16 * 16;
-  at::Tensor xin = x.contiguous();
-  if (padded != rows) {  // whole row blocks: zero rows past the end
-    at::Tensor full = at::zeros({padded, k}, x.options());
-    full.narrow(0, 0, rows).copy_(xin);
-    xin = full;
-  }
+  const at::Tensor xin = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
@@ -152,16 +158,15 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_elems = kblocks * 2 * 512;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    configure_stream();
     multispec_amx::Release release{true};
     alignas(64) float out[MAX_ROWS * PANEL];
-    for (int64_t r0 = 0; r0 < padded; r0 += MAX_ROWS) {
-      const int64_t chunk = std::min(MAX_ROWS, padded - r0);
-      const int64_t valid = std::min(chunk, rows - r0);
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+      const int64_t chunk = std::min(MAX_ROWS, rows - r0);
+      configure_stream(chunk);
       const uint16_t* xc = xp + r0 * k;
       for (int64_t p = begin; p < end; ++p) {
         const uint16_t* w = wp + p * panel_elems;
-        switch (chunk / 16) {
+        switch ((chunk + 15) / 16) {
           case 1: panel_product<1>(xc, k, w, kblocks, out); break;
           case 2: panel_product<2>(xc, k, w, kblocks, out); break;
           default: panel_product3(xc, k, w, kblocks, out); break;
@@ -174,7 +179,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
           bias_lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(first), 16));
           bias_hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
         }
-        for (int64_t r = 0; r < valid; ++r) {
+        for (int64_t r = 0; r < chunk; ++r) {
           const float* o = out + r * PANEL;
           const __m512 lo = _mm512_add_ps(_mm512_load_ps(o), bias_lo);
           const __m512 hi = _mm512_add_ps(_mm512_load_ps(o + 16), bias_hi);
