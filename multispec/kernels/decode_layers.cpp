@@ -144,7 +144,8 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
 // (stream_gemm.cpp) where the weight has its layout and the rows are few, else the library's.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
                    const at::Tensor* stream, int64_t stream_rows) {
-  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_enabled()) return multispec::stream_product(x, *stream, bias);
+  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_enabled())
+    return multispec::stream_product(x, *stream, bias);
   if (!packed) return at::linear(x, weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -227,12 +228,13 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     case at::kFloat:
       return layers<float>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
                            down, down_bias, final_norm, packed, stream, stream_rows, heads, kv_heads, eps, sample_k,
-                           sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
+                           sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot,
+                           prompt_len, tree_mask, scale);
     case at::kBFloat16:
       return layers<c10::BFloat16>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
                                    gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, heads,
-                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot,
-                                   prompt_len, tree_mask, scale);
+                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, sample_slot, offsets,
+                                   counts, written, prompt_slot, prompt_len, tree_mask, scale);
     default:
       TORCH_CHECK(false, "decode_layers runs float32 and bfloat16 models");
   }
