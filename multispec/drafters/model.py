@@ -45,6 +45,8 @@ class ModelDrafter:
     min_alternative = 0.0
     sampled = True
     wants_features = True
+    _edges: torch.Tensor | None = None
+    """``CONFIDENCE_EDGES`` as a tensor, made by the first ``limit``."""
 
     def __init__(self, *, head: DraftHead, max_depth: int, max_nodes: int, num_candidates: int = 1,
                  temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0, copied: bool = False):
@@ -127,14 +129,15 @@ class ModelDrafter:
         is exact for any tree): a node whose calibrated chance, the product of ``chances`` (per
         bin of ``CONFIDENCE_EDGES``) over its path's confidences, is below ``floor`` is not
         extended. Sampled drafts ignore it: their law must not depend on what was drawn."""
-        self.chances = torch.tensor(list(chances), dtype=torch.float32, device=self.device)
-        self.floor = float(floor)
-
-    def _chance(self, confidence: torch.Tensor) -> torch.Tensor:
         from multispec.engine.budget import CONFIDENCE_EDGES
 
-        edges = torch.tensor(CONFIDENCE_EDGES, dtype=confidence.dtype, device=confidence.device)
-        return self.chances[torch.bucketize(confidence, edges, right=True)]
+        self.chances = torch.tensor(list(chances), dtype=torch.float32, device=self.device)
+        self.floor = float(floor)
+        if self._edges is None:
+            self._edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float32, device=self.device)
+
+    def _chance(self, confidence: torch.Tensor) -> torch.Tensor:
+        return self.chances[torch.bucketize(confidence.float(), self._edges, right=True)]
 
     # ------------------------------------------------------------------ drafting
     def propose(self, sample_ids: list[int], budgets: list[int],

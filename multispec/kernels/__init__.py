@@ -8,8 +8,8 @@ one), the step's target distribution from its logits (``sampling.cpp``; four pas
 [rows, vocabulary] matrix in the Python path) and the matrix products of a few rows on AMX tiles
 (``stream_gemm.cpp``; bound by reading the weights, which the CPU library's product does at about
 half the machine's bandwidth). They are compiled once per machine, torch version and source
-(about 15 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with
-``-O3 -march=native``. Where they cannot be built (no compiler, no ninja) the engine keeps its
+(about 15 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
+``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no ninja) the engine keeps its
 portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
 """
 
@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger("multispec")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp", "stream_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp", "stream_gemm.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attention.h")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
@@ -69,11 +70,6 @@ def decode_layers():
 def softmax_rows():
     """``torch.ops.multispec.softmax_rows`` (see ``sampling.cpp``), or None as above."""
     return _op("softmax_rows")
-
-
-def stream_linear():
-    """``torch.ops.multispec.stream_linear`` (see ``stream_gemm.cpp``), or None as above."""
-    return _op("stream_linear")
 
 
 def stream_available() -> bool:

@@ -35,8 +35,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                             const at::Tensor& prompt_v, const at::Tensor& sample_slot, const at::Tensor& offsets,
                             const at::Tensor& counts, const at::Tensor& written, const at::Tensor& prompt_slot,
                             const at::Tensor& prompt_len, const at::Tensor& tree_mask, double scale);
-at::Tensor stream_product(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
-bool stream_enabled();
+at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+bool stream_available();
 }
 
 namespace {
@@ -144,8 +144,8 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
 // (stream_gemm.cpp) where the weight has its layout and the rows are few, else the library's.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
                    const at::Tensor* stream, int64_t stream_rows) {
-  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_enabled())
-    return multispec::stream_product(x, *stream, bias);
+  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_available())
+    return multispec::stream_linear(x, *stream, bias);
   if (!packed) return at::linear(x, weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -19,7 +19,6 @@
 #include "common.h"
 
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -40,14 +39,6 @@ at::Tensor stream_pack(const at::Tensor& weight) {
       .permute({0, 3, 1, 4, 2, 5})
       .contiguous()
       .view({n / PANEL, k / KBLOCK, 2, 16, 32});
-}
-
-bool stream_available() {
-#ifdef MULTISPEC_AMX
-  return multispec_amx::enabled();
-#else
-  return false;
-#endif
 }
 
 #ifdef MULTISPEC_AMX
@@ -136,6 +127,19 @@ inline void panel_product3(const uint16_t* x, int64_t x_stride, const uint16_t* 
 
 #endif
 
+}  // namespace
+
+namespace multispec {
+
+// Whether the tiles may be used now (the CPU has them, Linux granted them, MULTISPEC_AMX is not "0").
+bool stream_available() {
+#ifdef MULTISPEC_AMX
+  return multispec_amx::enabled();
+#else
+  return false;
+#endif
+}
+
 // y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W).
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
@@ -194,22 +198,15 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
 #endif
 }
 
-}  // namespace
-
-namespace multispec {
-at::Tensor stream_product(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return stream_linear(x, packed, bias);
-}
-bool stream_enabled() { return stream_available(); }
 }  // namespace multispec
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("stream_pack(Tensor weight) -> Tensor");
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("stream_available() -> bool", &stream_available);
+  m.def("stream_available() -> bool", &multispec::stream_available);
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("stream_pack", &stream_pack);
-  m.impl("stream_linear", &stream_linear);
+  m.impl("stream_linear", &multispec::stream_linear);
 }

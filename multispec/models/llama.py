@@ -15,14 +15,13 @@ reference it is tested against and the path for prefill, other devices and other
 
 from __future__ import annotations
 
-import os
-
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multispec import kernels
 from multispec.models.config import ModelConfig
 from multispec.models.rope import rope_inv_freq
 
@@ -76,7 +75,7 @@ class Projection:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stream is not None and x.shape[0] <= STREAM_ROWS and _amx_on():
+        if self.stream is not None and x.shape[0] <= STREAM_ROWS and kernels.stream_available():
             return torch.ops.multispec.stream_linear(x, self.stream, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -226,20 +225,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def _amx_on() -> bool:
-    """``MULTISPEC_AMX`` is not "0" (read at every call, as the kernels do, so that a comparison
-    can switch paths in one process)."""
-    return os.environ.get("MULTISPEC_AMX", "1") != "0"
-
-
 def _stream_layout(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` laid out for ``stream_linear`` where that product runs here (bf16 on a CPU with
     AMX tiles, compiled kernels, out and in features multiples of 32), else None."""
     out_features, in_features = weight.shape
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % 32 or in_features % 32):
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % 32 or in_features % 32:
         return None
-    from multispec import kernels
-
     if not kernels.stream_available():
         return None
     return torch.ops.multispec.stream_pack(weight.detach())
@@ -301,8 +292,6 @@ class LlamaForCausalLM(nn.Module):
         args = args_of() if args_of is not None and self.compiled_layers else None
         if args is None or not self.model.layers[0].self_attn.fused:
             return None
-        from multispec import kernels
-
         op = kernels.decode_layers()
         if op is None:
             return None
