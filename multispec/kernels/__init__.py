@@ -9,8 +9,8 @@ one), the step's target distribution from its logits (``sampling.cpp``; four pas
 (``stream_gemm.cpp``; bound by reading the weights, which the CPU library's product does at about
 half the machine's bandwidth). They are compiled once per machine, torch version and source
 (about 15 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
-``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no ninja) the engine keeps its
-portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
+``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no
+ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
