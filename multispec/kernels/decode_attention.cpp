@@ -387,7 +387,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * keys;
         float top = neg_inf;
-        for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
+#pragma omp simd reduction(max : top)  // a vector reduction, not a chain of compares (exact)
+        for (int64_t j = 0; j < keys; ++j) top = s[j] > top ? s[j] : top;
         float total = 0.0f;
 #ifdef MULTISPEC_AMX
         if (amx) {

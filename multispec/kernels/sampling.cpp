@@ -38,10 +38,13 @@ void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor
     float* x = row.data();
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* in = lp + r * vocab;
+      // The maximum as a vector reduction: a scalar max chain waits on each compare (about 65 us
+      // a row of 49k); max rounds nothing, so any order gives the same value.
       float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
       for (int64_t i = 0; i < vocab; ++i) {
         x[i] = widen(in[i]);
-        top = std::max(top, x[i]);
+        top = x[i] > top ? x[i] : top;
       }
       float* out = pp + r * vocab;
       const float t = temperature[r] > 0.0f ? temperature[r] : 1.0f;
