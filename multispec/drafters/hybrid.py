@@ -31,6 +31,10 @@ class HybridDrafter:
         self.max_nodes = max_nodes
         self.alternatives = consensus.alternatives
         self.min_alternative = consensus.min_alternative
+        self.use_model = True
+        """Whether ``propose`` runs the head: the adaptive budget turns it off while the head's own
+        nodes do not repay its forwards (``DraftBudget.wants_model``), and the sibling drafts then
+        go on alone."""
 
     @classmethod
     def create(cls, *, max_depth: int, max_nodes: int, num_candidates: int = 1, **options) -> HybridDrafter:
@@ -82,6 +86,8 @@ class HybridDrafter:
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
         budgets = [max(0, min(b, self.max_nodes)) for b in budgets]
         sibling = self.consensus.propose(sample_ids, budgets)
+        if not self.use_model:
+            return sibling
         head = self.model.propose(sample_ids, budgets)
         return [merge(a, b, budget) for a, b, budget in zip(sibling, head, budgets)]
 

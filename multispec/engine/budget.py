@@ -124,6 +124,9 @@ class DraftBudget:
         self.costs = costs
         self.idle = 0
         """Steps in a row whose drafts were all left out (or not asked for)."""
+        self.model_idle = 0
+        """Steps in a row where a draft model's own nodes did not repay its seconds (or it was not
+        asked): see ``select`` and ``wants_model``."""
         self.cutoff: float | None = None
         """Scored drafts: the lowest chance among the nodes the last ``select`` kept (None where it
         kept none). A drafter that grows its trees itself (the hybrid's head) need not extend a
@@ -177,10 +180,15 @@ class DraftBudget:
         model spent building these trees. Spent already, it does not change which nodes are
         kept; but a step whose kept nodes do not repay it on top of their forward counts as one
         that kept nothing, so a draft model that costs more than it gains is asked only now and
-        then (``IDLE_STEPS``), as drafts that do not pay are."""
+        then (``IDLE_STEPS``), as drafts that do not pay are.
+
+        Trees that merge the model's nodes with free ones (the hybrid: the model's carry evidence
+        0, sibling matches more) also say whether the model itself paid: the best rate with its
+        nodes, its seconds included, against the best rate of the free nodes alone. Where it did
+        not, the step counts against the model only (``model_idle``, ``wants_model``)."""
         own = len(trees)
         batch = own + others
-        candidates = []  # (-chance, depth, sample, node)
+        candidates = []  # (-chance, depth, sample, node, evidence)
         for b, tree in enumerate(trees):
             if not tree.tokens or tree.confidence is None or tree.evidence is None:
                 continue
@@ -190,29 +198,52 @@ class DraftBudget:
                 p = self.calibrated(tree.confidence[i], tree.evidence[i])
                 chance.append(p if parent < 0 else p * chance[parent])
                 depth.append(1 if parent < 0 else depth[parent] + 1)
-                candidates.append((-chance[i], depth[i], b, i))
+                candidates.append((-chance[i], depth[i], b, i, tree.evidence[i]))
         candidates.sort()
+        plain = batch / self.costs.seconds(batch, batch, 1, context)
+        keep, gained, step = self._best(candidates, own, batch, context, plain)
+        paid = keep > 0 and gained / (step + drafting) > plain
+        if drafting > 0:
+            free = [c for c in candidates if c[4] > 0]  # closed under parents: a match's ancestors match
+            kept_free, gained_free, step_free = self._best(free, own, batch, context, plain)
+            without = gained_free / step_free if kept_free else plain
+            model_paid = keep > 0 and gained / (step + drafting) > without
+            paid = paid or kept_free > 0
+        else:
+            model_paid = False
+        self.model_idle = 0 if model_paid else self.model_idle + 1
+        self.idle = 0 if paid else self.idle + 1
+        self.cutoff = -candidates[keep - 1][0] if keep else None
+        kept: list[list[int]] = [[] for _ in trees]
+        for _, _, b, i, _ in candidates[:keep]:
+            kept[b].append(i)
+        return [tree.subtree(sorted(nodes)) for tree, nodes in zip(trees, kept)]
+
+    def _best(self, candidates: list[tuple], own: int, batch: int, context: int,
+              plain: float) -> tuple[int, float, float]:
+        """(k, expected tokens, step seconds) of the best first k of the ranked ``candidates``: the
+        k of highest expected tokens per second, 0 (with a plain step's figures) unless it beats
+        ``plain`` tokens per second by ``MARGIN``."""
         seconds = self.costs.seconds
         counts = [1] * own
         qmax, samples_drafting, gained = 1, 0, float(batch)
-        plain = batch / seconds(batch, batch, 1, context)
-        keep, best_rate, paid = 0, MARGIN * plain, False
-        for k, (neg_chance, _, b, _) in enumerate(candidates, 1):
+        best = (0, float(batch), seconds(batch, batch, 1, context))
+        best_rate = MARGIN * plain
+        for k, (neg_chance, _, b, *_) in enumerate(candidates, 1):
             gained -= neg_chance
             samples_drafting += counts[b] == 1
             counts[b] += 1
             qmax = max(qmax, counts[b])
             step = seconds(batch + k, batch, qmax, context, samples_drafting)
-            rate = gained / step
-            if rate > best_rate:
-                keep, best_rate = k, rate
-                paid = gained / (step + drafting) > plain
-        self.idle = 0 if paid else self.idle + 1
-        self.cutoff = -candidates[keep - 1][0] if keep else None
-        kept: list[list[int]] = [[] for _ in trees]
-        for _, _, b, i in candidates[:keep]:
-            kept[b].append(i)
-        return [tree.subtree(sorted(nodes)) for tree, nodes in zip(trees, kept)]
+            if gained / step > best_rate:
+                best, best_rate = (k, gained, step), gained / step
+        return best
+
+    def wants_model(self) -> bool:
+        """Whether this step should run the draft model of a drafter that also drafts for free
+        (the hybrid's head): as ``wants_drafts``, over the steps where the model's nodes did not
+        repay its seconds."""
+        return self.model_idle < IDLE_STEPS or _probe_due(self.model_idle - IDLE_STEPS)
 
     # ------------------------------------------------------------------ sampled drafts
     def record_acceptance(self, drafted_by_depth: list[int], accepted_by_depth: list[int]) -> None:

@@ -88,6 +88,8 @@ class Lane:
             # calibrated chance falls well below what the budget kept last step.
             cutoff = self.budget.cutoff
             self.drafter.limit(self.budget.chance_table(0), 0.0 if cutoff is None else GROW_SLACK * cutoff)
+            if hasattr(self.drafter, "use_model"):  # its model runs while its own nodes repay it
+                self.drafter.use_model = self.budget.wants_model()
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - batch)

@@ -205,7 +205,8 @@ def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_pro
     so after ``IDLE_STEPS`` such steps the draft model runs only on probes. Cheap drafting (sibling
     text: no model time) keeps the drafter asked every step."""
     prices = costs(fixed=0.05, per_token=0.001)
-    trees = [chain([0.9])] + [DraftTree.EMPTY] * 7  # about 0.9 tokens gained on a step of ~0.06 s
+    # About 0.9 tokens gained on a step of ~0.06 s; a draft model's nodes carry no context match.
+    trees = [chain([0.9], evidence=0)] + [DraftTree.EMPTY] * 7
     cheap, dear = DraftBudget(4, prices), DraftBudget(4, prices)
     for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
         assert cheap.wants_drafts()
@@ -216,6 +217,40 @@ def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_pro
             asked += 1
             assert len(dear.select(trees, CONTEXT, drafting=0.05)[0]) == 1  # kept: already drafted
     assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
+
+
+def test_a_hybrid_model_that_does_not_repay_itself_stops_while_the_free_drafts_go_on():
+    """Trees that merge free sibling nodes (evidence > 0) with a draft model's (evidence 0): where
+    the free nodes pay and the model's add less than its seconds, the drafter stays asked every step
+    (``idle`` 0) but the model runs only on probes (``wants_model``); where the model's nodes repay
+    it, it runs every step. The free-only comparison is what decides: the same trees with the model
+    free of cost would keep its nodes too."""
+    prices = costs(fixed=0.05, per_token=0.001)
+
+    def merged(model_confidence: float) -> DraftTree:  # a sibling match, and the model's guess beside it
+        return DraftTree([10, 11], [-1, -1], None, [0.95, model_confidence], [3, 0])
+
+    trees = [merged(0.3)] * 8
+    assert all(len(tree) == 2 for tree in DraftBudget(4, prices).select(trees, CONTEXT))
+    dear = DraftBudget(4, prices)
+    runs = 0
+    for _ in range(IDLE_STEPS + 4 * PROBE_EVERY):
+        assert dear.wants_drafts()
+        if dear.wants_model():
+            runs += 1
+            kept = dear.select(trees, CONTEXT, drafting=0.02)
+        else:
+            kept = dear.select([DraftTree([10], [-1], None, [0.95], [3])] * 8, CONTEXT)
+        assert all(len(tree) >= 1 for tree in kept)  # the sibling node is kept every step
+        assert dear.idle == 0
+    assert IDLE_STEPS <= runs < IDLE_STEPS + 4 * PROBE_EVERY and dear.model_idle >= IDLE_STEPS
+
+    worth = DraftBudget(4, prices)
+    for _ in range(IDLE_STEPS + 4 * PROBE_EVERY):
+        assert worth.wants_model()
+        kept = worth.select([merged(0.95)] * 8, CONTEXT, drafting=0.002)
+        assert all(len(tree) == 2 for tree in kept)
+    assert worth.model_idle == 0
 
 
 def test_a_lane_prices_its_draft_models_depths_from_what_they_cost():
