@@ -18,6 +18,7 @@ from multispec.engine.cache import KVCache
 from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
+from multispec.verify.sampling import sample_rows
 
 
 @dataclass
@@ -112,6 +113,16 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         groups[next(iter(groups))] += greedy
     paths: list[list[int]] = [[]] * len(samples)
     bonus: list[int] = [0] * len(samples)
+    if not any(tree.tokens for tree in trees):
+        # No drafts in the step: every scheme's walk stops at the root with the token it draws
+        # there, argmax for greedy, else p sampled with the sample's key at its position (what
+        # ``verify_tree`` does at depth 0), so the tree machinery is skipped.
+        if list(groups) == ["greedy"]:
+            bonus = probs.argmax(-1).tolist()
+        else:
+            keys = position_keys(samples)
+            bonus = sample_rows(probs, keys.at(torch.arange(len(samples)), 0), fallback=probs).tolist()
+        groups = {}
     for scheme, members in groups.items():
         members.sort()
         if len(members) == len(samples):
