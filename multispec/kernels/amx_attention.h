@@ -286,8 +286,18 @@ inline void score_rows(int64_t rows, Query query, const c10::BFloat16* keys, int
   float* st = s.reserve((count + 15) & ~int64_t{15});
   load_queries(0, rows, query, s);
   score_segment(keys, step, count, st, s);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < count; ++j) out[i * stride + j] = st[j * 16 + i] * scale;
+  // Row i of S is column i of S^T: sixteen keys at a time, one gather (lane t reads key j + t).
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(i)));
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 valid = count - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - j)) - 1);
+      const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, index, st + j * 16, 4);
+      _mm512_mask_storeu_ps(out + i * stride + j, valid, _mm512_mul_ps(column, scaled));
+    }
+  }
 }
 
 // The own half of one sample's ``rows`` query rows (row i at query(i)) over its ``own_len`` keys,
