@@ -146,9 +146,9 @@ inline void score_key(const float* qf, int64_t rows, int64_t dim, const scalar_t
 // own values come from memory; on the AMX machines this was measured on, about 10% of the
 // operator at 16-128 plain samples).
 #if defined(__AVX512F__)
-// add_values for a head_dim of 16 * CHUNKS known at compile time: the four rows' sums stay in
-// registers across the value rows (with a run-time chunk count the compiler kept them on the
-// stack, a load and a store around every multiply-add). Same operations in the same order.
+// add_values with AVX-512 for a head_dim of 16 * CHUNKS known at compile time: the four rows'
+// sums stay in registers across the value rows (with a run-time chunk count the compiler kept
+// them on the stack, a load and a store around every multiply-add).
 template <int CHUNKS, typename scalar_t>
 inline void add_values_fixed(const float* weights, int64_t rows, int64_t stride, const scalar_t* values,
                              int64_t step, int64_t count, float* acc, bool prefetch) {
@@ -188,30 +188,16 @@ template <typename scalar_t>
 inline void add_values(const float* weights, int64_t rows, int64_t stride, int64_t dim, const scalar_t* values,
                        int64_t step, int64_t count, float* value_buf, float* acc, bool prefetch = false) {
 #if defined(__AVX512F__)
-  if (dim == 64) return add_values_fixed<4>(weights, rows, stride, values, step, count, acc, prefetch);
-  if (dim % 16 == 0 && dim <= 128) {
-    const int64_t chunks = dim / 16;
-    for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-      const int64_t block = std::min<int64_t>(4, rows - i0);
-      __m512 sum[4][8];
-      for (int64_t r = 0; r < block; ++r)
-        for (int64_t c = 0; c < chunks; ++c) sum[r][c] = _mm512_loadu_ps(acc + (i0 + r) * dim + 16 * c);
-      for (int64_t j = 0; j < count; ++j) {
-        if (prefetch && j + 16 < count) {  // rows sixteen ahead, from memory (see the call)
-          _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step) + 64, _MM_HINT_T0);
-        }
-        __m512 v[8];
-        for (int64_t c = 0; c < chunks; ++c) v[c] = load16(values + j * step + 16 * c);
-        for (int64_t r = 0; r < block; ++r) {
-          const __m512 w = _mm512_set1_ps(weights[(i0 + r) * stride + j]);
-          for (int64_t c = 0; c < chunks; ++c) sum[r][c] = _mm512_fmadd_ps(w, v[c], sum[r][c]);
-        }
-      }
-      for (int64_t r = 0; r < block; ++r)
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + (i0 + r) * dim + 16 * c, sum[r][c]);
-    }
-    return;
+  switch (dim) {  // head sizes 16 .. 128 in steps of 16, each with its own register layout
+    case 16: return add_values_fixed<1>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 32: return add_values_fixed<2>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 48: return add_values_fixed<3>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 64: return add_values_fixed<4>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 80: return add_values_fixed<5>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 96: return add_values_fixed<6>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 112: return add_values_fixed<7>(weights, rows, stride, values, step, count, acc, prefetch);
+    case 128: return add_values_fixed<8>(weights, rows, stride, values, step, count, acc, prefetch);
+    default: break;
   }
 #endif
   for (int64_t j = 0; j < count; ++j) {
