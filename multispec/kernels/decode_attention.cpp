@@ -146,40 +146,50 @@ inline void score_key(const float* qf, int64_t rows, int64_t dim, const scalar_t
 // own values come from memory; on the AMX machines this was measured on, about 10% of the
 // operator at 16-128 plain samples).
 #if defined(__AVX512F__)
-// add_values with AVX-512 for a head_dim of 16 * CHUNKS known at compile time: the four rows'
-// sums stay in registers across the value rows (with a run-time chunk count the compiler kept
-// them on the stack, a load and a store around every multiply-add).
+// add_values with AVX-512 for a head_dim of 16 * CHUNKS and a block of ROWS query rows known at
+// compile time: the rows' sums stay in registers across the value rows (with a run-time chunk or
+// row count the compiler kept them on the stack, a load and a store around every multiply-add).
+template <int CHUNKS, int ROWS, typename scalar_t>
+inline void add_values_block(const float* weights, int64_t stride, const scalar_t* values, int64_t step,
+                             int64_t count, float* acc, bool prefetch) {
+  constexpr int64_t dim = 16 * CHUNKS;
+  __m512 sum[ROWS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * dim + 16 * c);
+  for (int64_t j = 0; j < count; ++j) {
+    if (prefetch && j + 16 < count) {  // rows sixteen ahead, from memory (see the call)
+      _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step) + 64, _MM_HINT_T0);
+    }
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(values + j * step + 16 * c);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * stride + j]);
+      for (int c = 0; c < CHUNKS; ++c) sum[r][c] = _mm512_fmadd_ps(w, v[c], sum[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + r * dim + 16 * c, sum[r][c]);
+}
+
+// Four query rows at a time, then the one to three left (a plain sample of a three-head group is
+// one block of three).
 template <int CHUNKS, typename scalar_t>
 inline void add_values_fixed(const float* weights, int64_t rows, int64_t stride, const scalar_t* values,
                              int64_t step, int64_t count, float* acc, bool prefetch) {
   constexpr int64_t dim = 16 * CHUNKS;
-  for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-    const int64_t block = std::min<int64_t>(4, rows - i0);
-    __m512 sum[4][CHUNKS];
-    for (int64_t r = 0; r < 4; ++r)
-      for (int c = 0; c < CHUNKS; ++c)
-        sum[r][c] = r < block ? _mm512_loadu_ps(acc + (i0 + r) * dim + 16 * c) : _mm512_setzero_ps();
-    for (int64_t j = 0; j < count; ++j) {
-      if (prefetch && j + 16 < count) {  // rows sixteen ahead, from memory (see the call)
-        _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(values + (j + 16) * step) + 64, _MM_HINT_T0);
-      }
-      __m512 v[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) v[c] = load16(values + j * step + 16 * c);
-      if (block == 4) {
-        for (int r = 0; r < 4; ++r) {
-          const __m512 w = _mm512_set1_ps(weights[(i0 + r) * stride + j]);
-          for (int c = 0; c < CHUNKS; ++c) sum[r][c] = _mm512_fmadd_ps(w, v[c], sum[r][c]);
-        }
-      } else {
-        for (int64_t r = 0; r < block; ++r) {
-          const __m512 w = _mm512_set1_ps(weights[(i0 + r) * stride + j]);
-          for (int c = 0; c < CHUNKS; ++c) sum[r][c] = _mm512_fmadd_ps(w, v[c], sum[r][c]);
-        }
-      }
-    }
-    for (int64_t r = 0; r < block; ++r)
-      for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + (i0 + r) * dim + 16 * c, sum[r][c]);
+  int64_t i0 = 0;
+  for (; i0 + 4 <= rows; i0 += 4)
+    add_values_block<CHUNKS, 4>(weights + i0 * stride, stride, values, step, count, acc + i0 * dim, prefetch);
+  switch (rows - i0) {
+    case 3:
+      return add_values_block<CHUNKS, 3>(weights + i0 * stride, stride, values, step, count, acc + i0 * dim, prefetch);
+    case 2:
+      return add_values_block<CHUNKS, 2>(weights + i0 * stride, stride, values, step, count, acc + i0 * dim, prefetch);
+    case 1:
+      return add_values_block<CHUNKS, 1>(weights + i0 * stride, stride, values, step, count, acc + i0 * dim, prefetch);
+    default:
+      return;
   }
 }
 #endif
