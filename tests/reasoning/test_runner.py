@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from multispec import SamplingParams
-from multispec.reasoning.early_stop import BetaRule, WindowRule
+from multispec.reasoning.early_stop import BetaRule, WindowRule, replay
 from multispec.reasoning.runner import generate
 from multispec.reasoning.tasks.jsonl import Jsonl
 from multispec.reasoning.vote import majority_vote
@@ -58,6 +58,13 @@ def test_early_stop_aborts_unfinished_samples_and_keeps_the_vote(tiny, task, fix
             else:  # seeded: a finished sample is the fixed run's own
                 assert (sample.text, sample.tokens, sample.finish_reason) == (
                     same.text, same.tokens, same.finish_reason)
+        # ``replay`` (what benchmarks/early_stop_replay.py runs on saved results) predicts this run
+        # from the fixed-n samples alone: which samples finished, the tokens and the vote. A sample
+        # writes one token a step here (no drafts), so its concurrent schedule is exact; this fails
+        # if it ordered finishes, cut tokens or counted same-step finishes otherwise than the runner.
+        r = replay(rule, [s.answer for s in full.samples], [s.tokens for s in full.samples])
+        assert r.stopped and r.finished == len(cut.finish_order) and r.tokens == cut.tokens
+        assert r.vote == votes[1][0]
 
 
 def test_questions_share_the_batch_up_to_max_samples(fixed):
@@ -66,3 +73,4 @@ def test_questions_share_the_batch_up_to_max_samples(fixed):
     assert max(len(set(ids)) for ids in step_samples) >= 2  # questions side by side
     assert [g.position for g in generations] == [0, 1, 2, 3]
     assert all(len(g.finish_order) == PARAMS.n and g.seconds > 0 and g.error is None for g in generations)
+

@@ -8,7 +8,7 @@ from itertools import combinations
 import pytest
 
 from multispec.reasoning.best_of_n import best_of_n, make_scorer, mean_logprob
-from multispec.reasoning.early_stop import BetaRule, WindowRule, parse_early_stop
+from multispec.reasoning.early_stop import BetaRule, WindowRule, parse_early_stop, replay
 from multispec.reasoning.passk import check_ks, pass_at_k
 from multispec.reasoning.runner import Completion
 from multispec.reasoning.tasks import Problem, make_task
@@ -61,6 +61,40 @@ def test_esc_window_rule():
     ("esc", WindowRule(5)), ("none", None)])
 def test_early_stop_specs(spec, rule):
     assert parse_early_stop(spec) == rule
+
+
+def test_replay_concurrent_schedule_cuts_the_longer_samples_where_they_are():
+    # Finishing order by length: c (2), a (3), b (3, same step as a), e (5), d (9). ESC with a
+    # window of 2 fires when a finishes (c, a agree); b finishes in that step too and votes.
+    answers, lengths = ["7", "8", "7", "9", "9"], [3, 3, 2, 9, 5]
+    r = replay(WindowRule(2), answers, lengths)
+    assert (r.finished, r.tokens, r.vote, r.stopped) == (3, 3 + 3 + 2 + 3 + 3, "7", True)
+    full = replay(None, answers, lengths)
+    assert (full.finished, full.tokens, full.vote, full.stopped) == (5, 22, "7", False)
+    # A rule that never fires, and one that would only fire on the last sample: nothing is cut.
+    assert replay(WindowRule(5), answers, lengths) == full
+    assert replay(WindowRule(4), ["1"] * 4 + ["2"], [1, 2, 3, 5, 4]).finished == 5
+
+
+def test_replay_sequential_schedule_and_the_vote_over_finished_samples():
+    answers, lengths = ["5", "6", "6", "6", "5"], [10, 20, 30, 40, 50]
+    r = replay(WindowRule(2), answers, lengths, schedule="sequential", order=[4, 0, 1, 2, 3])
+    assert (r.finished, r.tokens, r.vote) == (2, 60, "5")  # 5, 5: stop; tokens of samples 4 and 0
+    r = replay(WindowRule(2), answers, lengths, schedule="sequential")  # index order: 5, 6, 6
+    assert (r.finished, r.tokens, r.vote) == (3, 60, "6")
+    # Ties go to the lowest finished index, whatever the finishing order.
+    r = replay(WindowRule(3), ["6", "5", "5", "6"], [1, 1, 1, 1], schedule="sequential", order=[3, 1, 0, 2])
+    assert (r.finished, r.vote) == (4, "6")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lengths": [1, 2]}, "3 answers but 2 lengths"), ({"schedule": "batched"}, "schedule 'batched'"),
+    ({"order": [0, 0, 1]}, "each of the 3 samples once")])
+def test_replay_bad_input(kwargs, message):
+    options = {"lengths": [1, 2, 3], **kwargs}
+    lengths = options.pop("lengths")
+    with pytest.raises(ValueError, match=message):
+        replay(BetaRule(), ["1", "1", "2"], lengths, **options)
 
 
 @pytest.mark.parametrize("spec", ["beta:1.5", "beta:0", "beta:x", "esc:0", "esc:2.5", "window:3", "none:1", ""])
