@@ -22,7 +22,9 @@ from generation, and pass@k recomputed from the saved per-sample results with th
         --humaneval-problems 3 --humaneval-n 4 --humaneval-max-tokens 64   # a smoke run
 
 Results (one JSON per run, as ``multispec eval --output`` writes them, a summary and a plot of
-accuracy against tokens and wall time) go to ``--out-dir``.
+accuracy against tokens and wall time) go to ``--out-dir``. What early stopping could save on the
+model's own answers, whatever this run's rule did: ``python benchmarks/early_stop_replay.py
+--results OUT_DIR/run0.json``.
 """
 
 from __future__ import annotations
