@@ -52,9 +52,10 @@ def load(path: Path) -> tuple[list[dict], object]:
         raise SystemExit(f"early_stop_replay: {path} is not a fixed-n vote run (strategy "
                          f"{config.get('strategy')!r}, early stop {config.get('early_stop')!r})")
     questions = [q for q in document["questions"] if q.get("error") is None]
-    task = config.get("task", "gsm8k")
+    # The task's own equivalence groups the votes, as in the run (math:FILE: math-verify; no file
+    # is read); a jsonl:FILE task needs its regex to be built and compares answers as strings.
     try:
-        equivalent = make_task(task).equivalent if ":" not in task else None
+        equivalent = make_task(config.get("task", "gsm8k")).equivalent
     except ValueError:
         equivalent = None
     return questions, equivalent
