@@ -5,9 +5,9 @@ Four operators for the decode step, in one library: the attention over the two-l
 matrix and per call that dominates small decode steps on a CPU), the whole layer stack around it
 (``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one by
 one), the step's target distribution from its logits (``sampling.cpp``; four passes over a
-[rows, vocabulary] matrix in the Python path) and the matrix products of a few rows on AMX tiles
-(``stream_gemm.cpp``; bound by reading the weights, which the CPU library's product does at about
-half the machine's bandwidth). They are compiled once per machine, torch version and source
+[rows, vocabulary] matrix in the Python path) and the matrix products of a step's rows on AMX tiles
+or AVX512-BF16 vectors (``stream_gemm.cpp``; bound by reading the weights, which the CPU library's
+product does at about half the machine's bandwidth). They are compiled once per machine, torch version and source
 (about 15 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
 ``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no
 ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
@@ -76,10 +76,17 @@ def softmax_rows():
 
 
 def stream_available() -> bool:
-    """Whether products of a few rows can stream their weights through the AMX tiles (the kernels
-    are built, the CPU has the tiles, Linux grants them and ``MULTISPEC_AMX`` is not "0", read at
-    every call)."""
-    return _op("stream_available") is not None and bool(torch.ops.multispec.stream_available())
+    """Whether bf16 products can stream their weights through ``stream_linear`` here (see
+    ``stream_kind``)."""
+    return stream_kind() > 0
+
+
+def stream_kind() -> int:
+    """How ``stream_linear`` multiplies here: 2 on AMX tiles (the CPU has them, Linux grants them
+    and ``MULTISPEC_AMX`` is not "0"), 1 on AVX512-BF16 vectors (the kernels were built for a CPU
+    that has them), 0 not at all (neither, the kernels are off, or ``MULTISPEC_STREAM`` is "0": the
+    CPU library's product). The variables are read at every call, so a comparison can switch."""
+    return int(torch.ops.multispec.stream_kind()) if _op("stream_kind") is not None else 0
 
 
 def _op(name: str):

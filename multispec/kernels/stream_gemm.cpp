@@ -1,15 +1,21 @@
-// Matrix products of a few rows on AMX tiles, streaming the weight once: y = x W^T (+ bias), bf16.
+// Matrix products of a few rows streaming the weight once: y = x W^T (+ bias), bf16.
 //
 // A decode step multiplies a handful of rows (its samples and their draft tokens) by every weight
 // of the model, so its products are bound by reading the weights from memory, not by arithmetic.
 // The CPU library's prepacked product reaches about half the machine's read bandwidth at 4 to 16
-// rows. Here the weight is laid out once, at load, in exactly the order the tiles consume it, so a
-// product is one sequential read of it: panels of 32 output columns, each panel's K in blocks of 32,
-// each block two 1 KiB tiles (16 columns each) in the tiles' pair layout (row r holds k = 2r, 2r + 1
-// of every column). Up to 48 rows of x take one pass over the weight, in row blocks of up to 16
-// (the last block's tiles hold only the rows there are, so x is read in place, never padded); more
-// rows take one pass per 48. Each output row is a function of its own x row only, accumulated in
-// float32 in the same order whatever the row count, then rounded once (with the bias added) to bf16.
+// rows. Here the weight is laid out once, at load, in exactly the order the products consume it, so
+// a product is one sequential read of it: panels of 32 output columns, each panel's K in blocks of
+// 32, each block two 1 KiB tiles (16 columns each) in the pair layout of the bf16 dot product (row r
+// holds k = 2r, 2r + 1 of every column).
+//
+// Two engines read that layout. With AMX, up to 48 rows of x take one pass over the weight, in tile
+// row blocks of up to 16 (the last block's tiles hold only the rows there are, so x is read in
+// place, never padded); more rows take one pass per 48. Without AMX but with AVX512-BF16 (AMD Zen 4
+// and later, Intel Cooper Lake), each 64-byte row of a tile is one vector of sixteen columns' k
+// pairs, multiplied by a row's k pair broadcast to every lane (vdpbf16ps); twelve rows at a time
+// share each weight vector, and a panel's later row blocks read it from cache. Either way each
+// output row is a function of its own x row only, accumulated in float32 in the same order whatever
+// the row count, then rounded once (with the bias added) to bf16.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,7 +24,16 @@
 #include "amx_attention.h"
 #include "common.h"
 
+#include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define MULTISPEC_VECTOR_STREAM 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -127,18 +142,75 @@ inline void panel_product3(const uint16_t* x, int64_t x_stride, const uint16_t* 
 
 #endif
 
+
+#ifdef MULTISPEC_VECTOR_STREAM
+
+constexpr int64_t VECTOR_ROWS = 12;  // rows sharing each weight vector: 24 accumulators of 32
+constexpr int64_t PREFETCH = 4 * 1024;  // elements ahead (8 KiB: four k blocks)
+
+// Rows [0, ROWS) of x times one panel (32 columns), rounded to bf16 with the bias into y. Each
+// row's two accumulators (16 columns each) take the k pairs in order, one vdpbf16ps each.
+template <int ROWS>
+inline void vector_panel(const uint16_t* x, int64_t k, const uint16_t* w, int64_t kblocks, __m512 bias_lo,
+                         __m512 bias_hi, uint16_t* y, int64_t n) {
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint16_t* block = w + kb * 2 * 512;
+    const uint16_t* xk = x + kb * KBLOCK;
+    for (int r = 0; r < 16; ++r) {
+      // Ask for the weight a few k blocks ahead: with several rows to multiply, the loop issues its
+      // loads too slowly for the hardware prefetcher to keep enough of memory's reads in flight.
+      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + r * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + 512 + r * 32), _MM_HINT_T0);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + r * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + 512 + r * 32);
+      for (int m = 0; m < ROWS; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xk + m * k + 2 * r, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    const __m512 lo = _mm512_add_ps(acc[m][0], bias_lo), hi = _mm512_add_ps(acc[m][1], bias_hi);
+    _mm512_storeu_si512(y + m * n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+using VectorPanel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, __m512, __m512, uint16_t*, int64_t);
+
+template <int... R>
+constexpr std::array<VectorPanel, sizeof...(R)> vector_panels(std::integer_sequence<int, R...>) {
+  return {&vector_panel<R + 1>...};
+}
+
+#endif
+
 }  // namespace
 
 namespace multispec {
 
-// Whether the tiles may be used now (the CPU has them, Linux granted them, MULTISPEC_AMX is not "0").
-bool stream_available() {
+// How products of a few rows stream their weights here: 2 on AMX tiles (the CPU has them, Linux
+// granted them, MULTISPEC_AMX is not "0"), 1 on AVX512-BF16 vectors (built for a CPU that has them),
+// 0 not at all (neither, or MULTISPEC_STREAM is "0": the CPU library's product). Read at every call,
+// so that a comparison can switch paths.
+int64_t stream_kind() {
+  const char* flag = std::getenv("MULTISPEC_STREAM");
+  if (flag != nullptr && std::strcmp(flag, "0") == 0) return 0;
 #ifdef MULTISPEC_AMX
-  return multispec_amx::enabled();
+  if (multispec_amx::enabled()) return 2;
+#endif
+#ifdef MULTISPEC_VECTOR_STREAM
+  return 1;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+bool stream_available() { return stream_kind() > 0; }
 
 // y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W).
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -152,8 +224,9 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bf16 [out]");
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-#ifdef MULTISPEC_AMX
-  TORCH_CHECK(stream_available(), "stream_linear needs the CPU's tile registers (AMX)");
+  const int64_t kind = stream_kind();
+  TORCH_CHECK(kind > 0, "stream_linear needs AMX tiles or AVX512-BF16 on this CPU (and MULTISPEC_STREAM not 0)");
+#if defined(MULTISPEC_AMX) || defined(MULTISPEC_VECTOR_STREAM)
   const at::Tensor xin = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -161,41 +234,65 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
   const uint16_t* bp = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_elems = kblocks * 2 * 512;
+  // The bias of panel p, widened to float32, sixteen columns a vector.
+  auto panel_bias = [&](int64_t p, __m512& lo, __m512& hi) {
+    lo = hi = _mm512_setzero_ps();
+    if (bp == nullptr) return;
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + p * PANEL));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + p * PANEL + 16));
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(first), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
+  };
+#endif
+#ifdef MULTISPEC_AMX
+  if (kind == 2) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      multispec_amx::Release release{true};
+      alignas(64) float out[MAX_ROWS * PANEL];
+      for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int64_t chunk = std::min(MAX_ROWS, rows - r0);
+        configure_stream(chunk);
+        const uint16_t* xc = xp + r0 * k;
+        for (int64_t p = begin; p < end; ++p) {
+          const uint16_t* w = wp + p * panel_elems;
+          switch ((chunk + 15) / 16) {
+            case 1: panel_product<1>(xc, k, w, kblocks, out); break;
+            case 2: panel_product<2>(xc, k, w, kblocks, out); break;
+            default: panel_product3(xc, k, w, kblocks, out); break;
+          }
+          // Round each row's 32 sums (plus the bias) to bf16, nearest even, sixteen lanes at a time.
+          __m512 bias_lo, bias_hi;
+          panel_bias(p, bias_lo, bias_hi);
+          for (int64_t r = 0; r < chunk; ++r) {
+            const float* o = out + r * PANEL;
+            const __m512 lo = _mm512_add_ps(_mm512_load_ps(o), bias_lo);
+            const __m512 hi = _mm512_add_ps(_mm512_load_ps(o + 16), bias_hi);
+            _mm512_storeu_si512(yp + (r0 + r) * n + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
+        }
+      }
+    });
+    return y;
+  }
+#endif
+#ifdef MULTISPEC_VECTOR_STREAM
+  static constexpr auto kernels = vector_panels(std::make_integer_sequence<int, VECTOR_ROWS>{});
+  // Rows in blocks of equal size (16 rows: 8 + 8, not 12 + 4): a block of few rows has too few
+  // accumulators to hide the dot product's latency.
+  const int64_t blocks = (rows + VECTOR_ROWS - 1) / VECTOR_ROWS, per_block = (rows + blocks - 1) / blocks;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    multispec_amx::Release release{true};
-    alignas(64) float out[MAX_ROWS * PANEL];
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-      const int64_t chunk = std::min(MAX_ROWS, rows - r0);
-      configure_stream(chunk);
-      const uint16_t* xc = xp + r0 * k;
-      for (int64_t p = begin; p < end; ++p) {
-        const uint16_t* w = wp + p * panel_elems;
-        switch ((chunk + 15) / 16) {
-          case 1: panel_product<1>(xc, k, w, kblocks, out); break;
-          case 2: panel_product<2>(xc, k, w, kblocks, out); break;
-          default: panel_product3(xc, k, w, kblocks, out); break;
-        }
-        // Round each row's 32 sums (plus the bias) to bf16, nearest even, sixteen lanes at a time.
-        __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
-        if (bp != nullptr) {
-          const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + p * PANEL));
-          const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + p * PANEL + 16));
-          bias_lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(first), 16));
-          bias_hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
-        }
-        for (int64_t r = 0; r < chunk; ++r) {
-          const float* o = out + r * PANEL;
-          const __m512 lo = _mm512_add_ps(_mm512_load_ps(o), bias_lo);
-          const __m512 hi = _mm512_add_ps(_mm512_load_ps(o + 16), bias_hi);
-          _mm512_storeu_si512(yp + (r0 + r) * n + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+    for (int64_t p = begin; p < end; ++p) {
+      __m512 bias_lo, bias_hi;
+      panel_bias(p, bias_lo, bias_hi);
+      const uint16_t* w = wp + p * panel_elems;
+      for (int64_t r0 = 0; r0 < rows; r0 += per_block) {
+        const int64_t chunk = std::min(per_block, rows - r0);
+        kernels[chunk - 1](xp + r0 * k, k, w, kblocks, bias_lo, bias_hi, yp + r0 * n + p * PANEL, n);
       }
     }
   });
-  return y;
-#else
-  TORCH_CHECK(false, "stream_linear needs the CPU's tile registers (AMX)");
 #endif
+  return y;
 }
 
 }  // namespace multispec
@@ -204,6 +301,7 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("stream_pack(Tensor weight) -> Tensor");
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("stream_available() -> bool", &multispec::stream_available);
+  m.def("stream_kind() -> int", &multispec::stream_kind);
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {

@@ -44,6 +44,18 @@ STREAM_ROWS = 32
 ran a layer stack's products 1.3-1.6x faster than oneDNN's prepacked product from 1 to 32 rows on
 a 2-core Xeon with AMX, and slower from 48 rows on (``experiments/stream_gemm.py``)."""
 
+VECTOR_STREAM_ROWS = 512
+"""Products of at most this many rows stream their weight through AVX512-BF16 vectors where the
+CPU has those but no AMX: a layer stack's products ran 1.1-1.7x faster than oneDNN's prepacked
+product at every row count from 1 to 128 on a 2-core AMD EPYC (Zen 5), 1.14x at 256 and 1.05x at
+512 rows (``experiments/stream_gemm.py``)."""
+
+
+def stream_rows() -> int:
+    """The most rows a product streams its weight for on this CPU now (0: none, see
+    ``multispec.kernels.stream_kind``)."""
+    return {2: STREAM_ROWS, 1: VECTOR_STREAM_ROWS}.get(kernels.stream_kind(), 0)
+
 
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be prepacked for the CPU's GEMM library (oneDNN)."""
@@ -69,13 +81,13 @@ class Projection:
         self.shape = tuple(weight.shape)
         self.packed = pack
         self.stream = _stream_layout(weight) if pack else None
-        """The weight laid out for the tile-streaming product of ``STREAM_ROWS`` rows or fewer, where
-        the CPU has AMX (a second copy of the weight); else None."""
+        """The weight laid out for the streaming product of ``stream_rows()`` rows or fewer, where
+        the CPU has AMX or AVX512-BF16 (a second copy of the weight); else None."""
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS) if pack else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stream is not None and x.shape[0] <= STREAM_ROWS and kernels.stream_available():
+        if self.stream is not None and x.shape[0] <= stream_rows():
             return torch.ops.multispec.stream_linear(x, self.stream, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -227,7 +239,7 @@ class LlamaModel(nn.Module):
 
 def _stream_layout(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` laid out for ``stream_linear`` where that product runs here (bf16 on a CPU with
-    AMX tiles, compiled kernels, out and in features multiples of 32), else None."""
+    AMX tiles or AVX512-BF16, compiled kernels, out and in features multiples of 32), else None."""
     out_features, in_features = weight.shape
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % 32 or in_features % 32:
         return None
@@ -306,9 +318,10 @@ class LlamaForCausalLM(nn.Module):
                 self.model.norm.weight, bool(products[0][0].packed),
                 [p[i].stream for i in range(4) for p in products] if all(
                     p[i].stream is not None for p in products for i in range(4)) else [],
-                STREAM_ROWS, config.num_attention_heads,
-                config.num_key_value_heads, float(config.rms_norm_eps))
-        return op, self._stack_weights, args
+                config.num_attention_heads, config.num_key_value_heads, float(config.rms_norm_eps))
+        # The streaming products' row limit, read now: MULTISPEC_AMX / MULTISPEC_STREAM may switch it.
+        weights = self._stack_weights
+        return op, (*weights[:-3], stream_rows(), *weights[-3:]), args
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The output head's logits, in float32 (``float32=False``: in the model's dtype, for a

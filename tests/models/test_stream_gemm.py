@@ -1,12 +1,14 @@
-"""The tile-streaming product (``multispec/kernels/stream_gemm.cpp``) against float64 arithmetic.
+"""The streaming product (``multispec/kernels/stream_gemm.cpp``, on AMX tiles or AVX512-BF16
+vectors, whichever this CPU has) against float64 arithmetic.
 
 The product rounds each output once, from a float32 sum over bf16 inputs, so it must agree with
 the exact product of the same bf16 inputs to bf16 rounding plus the float32 sum's own error
 (bounded here by 2**-7 relative to the row's largest output, far below what a misplaced column,
 a wrong k pair or a lost row block would do: those move outputs by their whole size). Each row
 must not depend on the other rows of the call, bit for bit, whatever their count (the kernel
-accumulates each row in one fixed order); and ``Projection`` must route a few rows through it and
-more rows, or ``MULTISPEC_AMX=0``, through the CPU library's product.
+accumulates each row in one fixed order); and ``Projection`` must route up to ``stream_rows()`` rows
+through it and more rows, or ``MULTISPEC_STREAM=0``, through the CPU library's product. Where the
+CPU has AMX, ``MULTISPEC_AMX=0`` runs the same tests on the vector path, if it has AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import torch
 from multispec import kernels
 from multispec.models import llama
 
-pytestmark = pytest.mark.skipif(not kernels.stream_available(), reason="no AMX tiles (or kernels) here")
+pytestmark = pytest.mark.skipif(not kernels.stream_available(), reason="no AMX or AVX512-BF16 (or kernels) here")
 
 SHAPES = [(64, 32), (960, 576), (96, 1536), (49152 // 16, 576)]
-ROWS = [1, 4, 15, 16, 17, 32, 47, 48, 49, 100]
+ROWS = [1, 4, 11, 12, 13, 15, 16, 17, 24, 25, 32, 47, 48, 49, 100]  # the tiles' blocks of 16 and 48, the vectors' of 12
 
 
 def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,11 +68,13 @@ def test_bad_shapes_are_refused_or_left_to_the_library():
         torch.ops.multispec.stream_linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None)
 
 
-def test_projection_routes_few_rows_through_the_tiles(monkeypatch):
+def test_projection_routes_the_rows_it_streams(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(192, 64, generator=gen) * 0.05).bfloat16()
     product = llama.Projection(weight, None, pack=True)
     assert product.stream is not None
+    limit = llama.stream_rows()
+    assert limit == {2: llama.STREAM_ROWS, 1: llama.VECTOR_STREAM_ROWS}[kernels.stream_kind()]
     calls = []
     original = torch.ops.multispec.stream_linear
 
@@ -80,12 +84,23 @@ def test_projection_routes_few_rows_through_the_tiles(monkeypatch):
             return original(*args)
 
     monkeypatch.setattr(torch.ops.multispec, "stream_linear", Spy())
-    for rows in (1, llama.STREAM_ROWS, llama.STREAM_ROWS + 1):
+    for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         got = product(x)
         want = exact(x, weight, None)
         assert ((got.double() - want).abs() <= want.abs().amax(1, keepdim=True) * 2 ** -7).all()
-    assert calls == [1, llama.STREAM_ROWS]
-    monkeypatch.setenv("MULTISPEC_AMX", "0")
+    assert calls == [1, limit]
+    monkeypatch.setenv("MULTISPEC_STREAM", "0")
+    assert kernels.stream_kind() == 0 and llama.stream_rows() == 0
     product(torch.randn(4, 64, generator=gen).bfloat16())
-    assert calls == [1, llama.STREAM_ROWS]
+    assert calls == [1, limit]
+
+
+@pytest.mark.skipif(kernels.stream_kind() != 2, reason="no AMX tiles here")
+def test_vector_path_under_amx_off_agrees_with_exact_arithmetic(monkeypatch):
+    """With the tiles switched off, an AVX512-BF16 CPU streams on vectors (same packed layout);
+    a CPU without AVX512-BF16 but with AMX does not exist, so the kind is 1 here."""
+    monkeypatch.setenv("MULTISPEC_AMX", "0")
+    assert kernels.stream_kind() == 1
+    test_matches_exact_arithmetic((960, 576), True)
+    test_each_row_is_independent_of_the_others()
