@@ -75,6 +75,11 @@ def softmax_rows():
     return _op("softmax_rows")
 
 
+def sample_rows():
+    """``torch.ops.multispec.sample_rows`` (see ``sampling.cpp``), or None as above."""
+    return _op("sample_rows")
+
+
 def stream_available() -> bool:
     """Whether bf16 products can stream their weights through ``stream_linear`` here (see
     ``stream_kind``)."""

@@ -98,10 +98,96 @@ std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& logits, const 
   return {probs, lse};
 }
 
+// One index per uniform from rows of non-negative weights, by the two-level inverse-CDF search of
+// multispec.verify.sampling.sample_rows (which calls this on a CPU): float32 sums of blocks of
+// BLOCK entries, their running total in float64 to find the block where u * total falls, then a
+// float64 running sum inside that block. The Python path runs about fifteen small operators for it;
+// here each row is one task. weights [R, V] with R = 1 (shared by every uniform) or R = N; u [N]
+// float64 in [0, 1). Returns the indices [N] and whether each row's weights summed to zero [N]
+// (its index is then meaningless: the caller draws that row from its fallback).
+constexpr int64_t BLOCK = 64;
+
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const at::Tensor& u) {
+  TORCH_CHECK(weights.device().is_cpu() && weights.dim() == 2 && weights.is_contiguous() &&
+                  weights.scalar_type() == at::kFloat && weights.size(1) > 0,
+              "weights must be a contiguous float32 CPU [rows, vocabulary]");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.is_contiguous(),
+              "u must be a contiguous float64 vector");
+  const int64_t n = u.size(0), vocab = weights.size(1), shared = weights.size(0) == 1;
+  TORCH_CHECK(shared || weights.size(0) == n, "weights has ", weights.size(0), " rows for ", n, " uniforms");
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  auto index = at::empty({n}, weights.options().dtype(at::kLong));
+  auto empty = at::empty({n}, weights.options().dtype(at::kBool));
+  const float* wp = weights.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  bool* ep = empty.data_ptr<bool>();
+  // A shared row's running totals are computed once.
+  std::vector<double> shared_cumulative;
+  auto cumulate = [&](const float* w, double* cumulative) {
+    double running = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t size = std::min(BLOCK, vocab - b * BLOCK);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < size; ++i) sum += w[b * BLOCK + i];
+      running += static_cast<double>(sum);
+      cumulative[b] = running;
+    }
+  };
+  if (shared) {
+    shared_cumulative.resize(blocks);
+    cumulate(wp, shared_cumulative.data());
+  }
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    std::vector<double> own(shared ? 0 : blocks);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* w = wp + (shared ? 0 : r * vocab);
+      const double* cumulative = shared ? shared_cumulative.data() : own.data();
+      if (!shared) cumulate(w, own.data());
+      const double total = cumulative[blocks - 1];
+      ep[r] = !(total > 0.0);
+      if (ep[r]) {
+        ip[r] = 0;
+        continue;
+      }
+      const double target = up[r] * total;
+      // The first block whose running total exceeds the target (an empty block never does).
+      int64_t block = std::upper_bound(cumulative, cumulative + blocks, target) - cumulative;
+      int64_t chosen = -1;
+      if (block < blocks) {
+        const double before = block > 0 ? cumulative[block - 1] : 0.0;
+        const double want = target - before;
+        const int64_t size = std::min(BLOCK, vocab - block * BLOCK);
+        double running = 0.0;
+        for (int64_t i = 0; i < size; ++i) {
+          running += static_cast<double>(w[block * BLOCK + i]);
+          if (running > want) {
+            chosen = block * BLOCK + i;
+            break;
+          }
+        }
+      } else {
+        block = blocks - 1;  // u * total rounded up to the total
+      }
+      // The block's own running sum fell short of its float32 sum by rounding, or the target was at
+      // the total: the last entry of positive weight at or before the block.
+      for (int64_t i = std::min(vocab, (block + 1) * BLOCK) - 1; chosen < 0 && i >= 0; --i)
+        if (w[i] > 0.0f) chosen = i;
+      ip[r] = chosen;
+    }
+  });
+  return {index, empty};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("softmax_rows(Tensor logits, Tensor temperature) -> (Tensor probs, Tensor lse)");
+  m.def("sample_rows(Tensor weights, Tensor u) -> (Tensor index, Tensor empty)");
 }
 
-TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("softmax_rows", &softmax_rows); }
+TORCH_LIBRARY_IMPL(multispec, CPU, m) {
+  m.impl("softmax_rows", &softmax_rows);
+  m.impl("sample_rows", &sample_rows);
+}

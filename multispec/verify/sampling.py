@@ -163,6 +163,16 @@ def sample_rows(
     """
     n = rng.n if isinstance(rng, Uniforms) else weights.shape[0]
     rng = Uniforms.of(rng, n)
+    compiled = _compiled(weights)
+    if compiled is not None:
+        # The same search as below in one compiled call (block sums may round differently).
+        u = rng.draw(TOKEN, 0, _FLOAT64)
+        index, empty = compiled(weights.contiguous(), u)
+        if fallback is not None and bool(empty.any()):
+            rows = empty.nonzero().squeeze(1)
+            rows_fallback = fallback if fallback.shape[0] == 1 else fallback[rows]
+            index[rows] = compiled(rows_fallback.to(torch.float32).contiguous(), u[rows].contiguous())[0]
+        return index
     blocked = _blocked(weights)
     cumulative = blocked.sum(-1).double().cumsum(-1)
     total = cumulative[:, -1]
@@ -196,6 +206,19 @@ def sample_rows(
         positive = (local[short] > 0).flip(-1).int().argmax(-1)
         index[short] = BLOCK - 1 - positive
     return block * BLOCK + index
+
+
+_FLOAT64 = torch.empty(0, dtype=torch.float64)
+
+
+def _compiled(weights: torch.Tensor):
+    """``torch.ops.multispec.sample_rows`` where it takes these weights (float32 on a CPU, the
+    kernels built), else None."""
+    if weights.device.type != "cpu" or weights.dtype != torch.float32 or weights.shape[1] == 0:
+        return None
+    from multispec import kernels
+
+    return kernels.sample_rows()
 
 
 def _blocked(weights: torch.Tensor) -> torch.Tensor:

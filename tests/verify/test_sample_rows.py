@@ -5,7 +5,8 @@ float64 cumulative sum over the whole row must pick the same index: rows can dis
 the target falls within rounding of a boundary, which 2,000 rows of random weights do not reach.
 So any misplaced block, off-by-one inside a block, or mishandled padding changes many of the
 2,000 indices and fails; the distribution test on top checks the law itself (200,000 draws,
-false-alarm rate 1e-4, zero-weight entries never drawn).
+false-alarm rate 1e-4, zero-weight entries never drawn). On a CPU the search is one compiled call
+(``multispec/kernels/sampling.cpp``); the tests below also hold it to the torch operators' path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from multispec import kernels
+from multispec.verify import sampling
 from multispec.verify.sampling import BLOCK, TOKEN, Uniforms, derive, keyed_uniforms, sample_rows
 from tests.verify.verify_stats import ALPHA, chi_square_pvalue
 
@@ -66,3 +69,39 @@ def test_a_row_without_weight_draws_from_its_fallback():
     fallback[:, 77] = 1.0
     got = sample_rows(weights, Uniforms(3, generator=torch.Generator().manual_seed(1)), fallback=fallback)
     assert got.tolist() == [5, 77, 150]
+
+
+needs_kernels = pytest.mark.skipif(kernels.sample_rows() is None, reason="compiled kernels unavailable here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_compiled_and_torch_searches_pick_the_same_indices(monkeypatch, vocab):
+    """On a CPU ``sample_rows`` runs one compiled call; the operator path (other devices, no
+    compiler) must agree with it index for index. Their float32 block sums may round apart, which
+    moves an index only for a target within rounding of a boundary: none of these rows."""
+    weights = weights_with_holes(500, vocab, seed=vocab + 1)
+    keys = derive(np.arange(500), 13)
+    compiled = sample_rows(weights, Uniforms(500, keys=keys))
+    monkeypatch.setattr(sampling, "_compiled", lambda weights: None)
+    assert torch.equal(sample_rows(weights, Uniforms(500, keys=keys)), compiled)
+    # Empty rows drawn from the fallback, on both paths.
+    weights[::7] = 0
+    fallback = weights_with_holes(500, vocab, seed=vocab + 2)
+    on_torch = sample_rows(weights, Uniforms(500, keys=keys), fallback=fallback)
+    monkeypatch.undo()
+    assert torch.equal(sample_rows(weights, Uniforms(500, keys=keys), fallback=fallback), on_torch)
+    assert (fallback[::7].gather(1, on_torch[::7, None]) > 0).all()
+
+
+@needs_kernels
+def test_a_target_at_the_total_never_takes_a_zero_weight():
+    """u * total may round up to the total; the draw then takes the last entry of positive weight,
+    even where the row's last blocks have none."""
+    weights = torch.zeros(2, 5 * BLOCK)
+    weights[0, 3] = weights[0, BLOCK + 9] = 1.0
+    weights[1, :] = 1.0
+    index, empty = torch.ops.multispec.sample_rows(weights, torch.tensor([1.0, 1.0], dtype=torch.float64))
+    assert index.tolist() == [BLOCK + 9, 5 * BLOCK - 1] and not empty.any()
+    index, empty = torch.ops.multispec.sample_rows(torch.zeros(1, 100), torch.tensor([0.5], dtype=torch.float64))
+    assert empty.tolist() == [True]
