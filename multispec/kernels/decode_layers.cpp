@@ -8,8 +8,8 @@
 // add + norm, the fused q/k/v product, the rotation of q and k in place, the compiled attention
 // (decode_attention.cpp), the output product, add + norm, the fused gate/up product, the gate's
 // activation times up, the down product. The products are the same calls the Python path makes
-// (the tile-streaming product for a few rows where the CPU has AMX, else the CPU library's
-// prepacked product, or at::linear), and every element-wise step rounds where
+// (the streaming product, on AMX tiles or AVX512-BF16 vectors, up to the row limit the caller
+// passes, else the CPU library's prepacked product, or at::linear), and every element-wise step rounds where
 // the Python path rounds (to the model's dtype after each operator), so both paths agree to the
 // last bit except where a sum runs in another order (the norm's mean of squares).
 
@@ -140,8 +140,9 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
                                 std::optional<std::string_view>);
 
-// The product the Python path's ``Projection`` makes for these rows: the tile-streaming product
-// (stream_gemm.cpp) where the weight has its layout and the rows are few, else the library's.
+// The product the Python path's ``Projection`` makes for these rows: the streaming product
+// (stream_gemm.cpp) where the weight has its layout and the rows are within stream_rows, else the
+// library's.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
                    const at::Tensor* stream, int64_t stream_rows) {
   if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_available())

@@ -193,7 +193,7 @@ constexpr std::array<VectorPanel, sizeof...(R)> vector_panels(std::integer_seque
 
 namespace multispec {
 
-// How products of a few rows stream their weights here: 2 on AMX tiles (the CPU has them, Linux
+// How products stream their weights here: 2 on AMX tiles (the CPU has them, Linux
 // granted them, MULTISPEC_AMX is not "0"), 1 on AVX512-BF16 vectors (built for a CPU that has them),
 // 0 not at all (neither, or MULTISPEC_STREAM is "0": the CPU library's product). Read at every call,
 // so that a comparison can switch paths.
