@@ -17,6 +17,10 @@ batched, at temperature 0.7 and 1.0. Rows:
   and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
   nodes every step: the hybrid against its parts;
 - hybrid: SpecConfig(drafter="hybrid", num_candidates=2) with the adaptive budget;
+- hybrid-drawn-fixed, hybrid-drawn: the same with ``sampled_drafts=True``: the head's candidates
+  drawn from its q (recursive rejection verifies them), the sibling text copied after them;
+  hybrid-drawn-wide: as hybrid-drawn-fixed with 3 x depth nodes, room for the head's whole tree
+  and up to depth sibling nodes beside it;
 - lm-w1, lm-w2: with ``--draft-checkpoint`` (a causal LM sharing the model's tokenizer: a
   directory, a .gguf or a known name), that model drafting with its own KV cache, 1 or 2
   candidates, chains of ``--depth``, every step at full depth.
@@ -49,7 +53,8 @@ CELLS = [  # (questions, n, one request at a time)
     (4, 16, False),
 ]
 ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto",
-        "consensus-fixed", "hybrid-fixed", "hybrid", "lm-w1", "lm-w2")
+        "consensus-fixed", "hybrid-fixed", "hybrid", "hybrid-drawn-fixed", "hybrid-drawn-wide", "hybrid-drawn",
+        "lm-w1", "lm-w2")
 
 
 def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
@@ -71,6 +76,14 @@ def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
             "hybrid-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
                                        adaptive=False, decision_threshold=0.0),
             "hybrid": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2),
+            "hybrid-drawn-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
+                                             num_candidates=2, adaptive=False, decision_threshold=0.0,
+                                             sampled_drafts=True),
+            "hybrid-drawn-wide": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
+                                            max_draft_nodes=3 * depth, num_candidates=2, adaptive=False,
+                                            decision_threshold=0.0, sampled_drafts=True),
+            "hybrid-drawn": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
+                                       sampled_drafts=True),
             **({} if checkpoint is None else {
                 f"lm-w{w}": SpecConfig(drafter="model", draft_model=checkpoint, num_candidates=w,
                                        max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)

@@ -116,7 +116,8 @@ class SpecConfig:
     speculation never costs more than it gains (off: always draft up to the maximum).
 
     ``drafter="model"`` drafts with a draft model (``"hybrid"``: merged with consensus's sibling
-    drafts, verified deterministically). ``draft_model`` is a draft head file over the target's
+    drafts; verified deterministically, or with ``sampled_drafts=True`` the model's candidates are
+    drawn from its q and verified by recursive rejection, the sibling text after them). ``draft_model`` is a draft head file over the target's
     features (None: the head the registry pairs with the target), or a causal LM that shares the
     target's tokenizer (a checkpoint directory, a ``.gguf`` file or a known model name), run with
     its own KV cache. ``num_candidates`` candidates are drawn at the root, each extended as a chain

@@ -25,6 +25,11 @@ class DraftTree:
     (in [0, 1]) and ``evidence[i]`` the longest context match behind it. The engine calibrates
     both against what verification accepts and keeps only the nodes that pay for their place in
     the forward (see ``multispec.engine.budget``).
+
+    A tree may mix drawn nodes with copied ones (the hybrid drafter): ``drawn[i]`` says whether
+    node i was drawn from a q, and ``q`` then holds one row per drawn node, in node order. Among
+    siblings the drawn nodes come first. Drawn nodes are never cut for what was drawn (only
+    copied ones are): the multi-draft schemes need them exactly as sampled.
     """
 
     tokens: list[int]
@@ -32,6 +37,7 @@ class DraftTree:
     q: torch.Tensor | None
     confidence: list[float] | None = field(default=None, compare=False)
     evidence: list[int] | None = field(default=None, compare=False)
+    drawn: list[bool] | None = None
     EMPTY: ClassVar[DraftTree]
 
     def __len__(self) -> int:
@@ -44,6 +50,20 @@ class DraftTree:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return depths
 
+    def is_drawn(self) -> list[bool]:
+        """Per node, whether it was drawn from a q (its row of ``q``)."""
+        if self.drawn is not None:
+            return self.drawn
+        return [self.q is not None] * len(self.tokens)
+
+    def q_rows(self) -> list[int]:
+        """Per node, its row of ``q`` (-1: copied)."""
+        rows, row = [], 0
+        for drawn in self.is_drawn():
+            rows.append(row if drawn else -1)
+            row += drawn
+        return rows
+
     def subtree(self, keep: list[int]) -> DraftTree:
         """The nodes ``keep`` (ascending local indexes, closed under parents), re-indexed."""
         if len(keep) == len(self.tokens):
@@ -51,11 +71,17 @@ class DraftTree:
         if not keep:
             return DraftTree.EMPTY
         new_index = {old: new for new, old in enumerate(keep)}
+        q, drawn = self.q, None
+        if self.drawn is not None:
+            rows = self.q_rows()
+            drawn = [self.drawn[i] for i in keep]
+            q = None if self.q is None or not any(drawn) else self.q[[rows[i] for i in keep if rows[i] >= 0]]
+        elif q is not None:
+            q = q[keep]
         return DraftTree([self.tokens[i] for i in keep],
-                         [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep],
-                         None if self.q is None else self.q[keep],
+                         [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep], q,
                          None if self.confidence is None else [self.confidence[i] for i in keep],
-                         None if self.evidence is None else [self.evidence[i] for i in keep])
+                         None if self.evidence is None else [self.evidence[i] for i in keep], drawn)
 
 
 DraftTree.EMPTY = DraftTree([], [], None)

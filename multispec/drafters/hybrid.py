@@ -1,14 +1,24 @@
 """Hybrid drafting: sibling consensus and the draft head in one tree per sample.
 
 Consensus drafts well where the samples agree and the head where they diverge, so each step
-merges the consensus tree (copied sibling text, weighted by votes) with the head's top
-candidates and their argmax chains (see ``ModelDrafter(copied=True)``): shared prefixes become
-one branch, every node keeps the higher confidence of its sources. The drafts carry no q, so the
-deterministic scheme verifies them (draw from the target, walk the matching child), which is
-exact for any tree; that is also what lets the adaptive draft budget rank every node of the
-batch together by its calibrated chance of acceptance and keep the best, as it does for
-consensus. Head nodes carry evidence 0 (no context match), so the budget calibrates their
-confidence apart from the sibling matches'.
+merges the consensus tree (copied sibling text, weighted by votes) with the head's candidates and
+their chains: shared prefixes become one branch, every node keeps the higher confidence of its
+sources. Two ways to verify the merged tree, both exact:
+
+- copied (the default): the head's top candidates and argmax chains (``ModelDrafter(copied=True)``)
+  carry no q, so the deterministic scheme verifies the tree (draw from the target, walk the
+  matching child), which is exact for any tree; that is also what lets the adaptive draft budget
+  rank every node of the batch together by its calibrated chance of acceptance and keep the best,
+  as it does for consensus. Head nodes carry evidence 0 (no context match), so the budget
+  calibrates their confidence apart from the sibling matches'.
+- drawn (``sampled_drafts=True``): the head draws its candidates from its q without replacement,
+  as ``drafter="model"`` does, and the sibling text is added as copied nodes after them (the
+  ``MIXED`` law): at each node, recursive rejection over the drawn children, then the
+  deterministic rule on what is left over the copied ones. Where the target is flat (temperature
+  1.0), rejection sampling of drawn candidates accepts more than matching the head's top ones. The
+  head's nodes are never cut for what was drawn: the budget ranks and cuts only the copied nodes
+  around them, and the head's tree is sized before it draws, from the sibling text alone (a
+  sibling node takes the place of a head level it is likelier than, ``_head_depth``).
 """
 
 from __future__ import annotations
@@ -18,17 +28,21 @@ from typing import Sequence
 from multispec.drafters.base import DraftTree
 from multispec.drafters.consensus import ConsensusDrafter
 from multispec.drafters.model import ModelDrafter
-from multispec.verify.schemes import COPIED, DraftLaw
+from multispec.verify.schemes import COPIED, MIXED, DraftLaw
 
 
 class HybridDrafter:
-    sampled = False
     wants_features = True
+    scored = True
+    """Its trees carry confidences for every node: the adaptive budget ranks them (``select``)
+    even when the head's nodes are drawn (they are then kept whole)."""
 
-    def __init__(self, consensus: ConsensusDrafter, model: ModelDrafter, max_nodes: int):
+    def __init__(self, consensus: ConsensusDrafter, model: ModelDrafter, max_nodes: int, drawn: bool = False):
         self.consensus = consensus
         self.model = model
         self.max_nodes = max_nodes
+        self.sampled = drawn
+        """The head draws its candidates (from the uniforms the engine passes); see the module docstring."""
         self.alternatives = consensus.alternatives
         self.min_alternative = consensus.min_alternative
         self.use_model = True
@@ -40,17 +54,17 @@ class HybridDrafter:
     def create(cls, *, max_depth: int, max_nodes: int, num_candidates: int = 1, **options) -> HybridDrafter:
         consensus = ConsensusDrafter.create(max_depth=max_depth, max_nodes=max_nodes,
                                             **{k: v for k, v in options.items() if k != "sampled"})
+        drawn = bool(options.get("sampled"))
         model = ModelDrafter.create(max_depth=max_depth, max_nodes=max_nodes, num_candidates=num_candidates,
-                                    **{k: v for k, v in options.items() if k != "scheme"})
-        model.copied = True
-        return cls(consensus, model, max_nodes)
+                                    **{k: v for k, v in options.items() if k != "scheme" or drawn})
+        model.copied = not drawn
+        return cls(consensus, model, max_nodes, drawn)
 
     @staticmethod
     def draft_law(*, sampled: bool, max_depth: int, max_nodes: int, **_) -> DraftLaw:
-        if sampled:
-            raise ValueError("sampled_drafts=True does not apply to drafter='hybrid': its drafts are copied "
-                             "(sibling text and the head's top candidates) and verified deterministically")
-        return DraftLaw(COPIED, max(1, max_nodes))
+        """Copied drafts (any tree), or with ``sampled`` the head's candidates drawn without
+        replacement and the sibling text copied after them."""
+        return DraftLaw(MIXED if sampled else COPIED, max(1, max_nodes))
 
     @property
     def model_time(self) -> float:
@@ -88,20 +102,31 @@ class HybridDrafter:
         sibling = self.consensus.propose(sample_ids, budgets)
         if not self.use_model:
             return sibling
-        head = self.model.propose(sample_ids, budgets)
+        if not self.sampled:
+            head = self.model.propose(sample_ids, budgets)
+            return [merge(a, b, budget) for a, b, budget in zip(sibling, head, budgets)]
+        # Drawn head nodes stay whole, so the head's share is fixed before it draws.
+        width = max(1, self.model.width)
+        shares = [width * _head_depth(a, b, width, self.model.max_depth) for a, b in zip(sibling, budgets)]
+        head = self.model.propose(sample_ids, shares, uniforms)
         return [merge(a, b, budget) for a, b, budget in zip(sibling, head, budgets)]
 
 
 def merge(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:
     """One tree holding both (a node per distinct path, with the higher confidence and evidence of
-    its sources), cut to the ``budget`` nodes of highest path confidence (closed under parents)."""
+    its sources), cut to the ``budget`` nodes of highest path confidence (closed under parents).
+
+    Where ``b`` is drawn (carries q), its nodes come first and are all kept (``budget`` must leave
+    room for them), each with its q row; ``a``'s nodes are copied, follow the drawn ones among
+    their siblings, and fill what is left of the budget."""
     if not b.tokens:
         return a
-    if not a.tokens:
+    if not a.tokens and b.q is None:
         return b.subtree(_best(b, budget))
-    tokens, parents, confidence, evidence = [], [], [], []
+    drawn_b = b.q is not None
+    tokens, parents, confidence, evidence, drawn = [], [], [], [], []
     where: dict[tuple[int, int], int] = {}
-    for tree in (a, b):
+    for tree in ((b, a) if drawn_b else (a, b)):
         local: list[int] = []
         for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             key = (-1 if parent < 0 else local[parent], token)
@@ -114,24 +139,56 @@ def merge(a: DraftTree, b: DraftTree, budget: int) -> DraftTree:
                 parents.append(key[0])
                 confidence.append(conf)
                 evidence.append(evid)
+                drawn.append(drawn_b and tree is b)
             else:
                 confidence[node] = max(confidence[node], conf)
                 evidence[node] = max(evidence[node], evid)
             local.append(node)
-    merged = DraftTree(tokens, parents, None, confidence, evidence)
+    merged = DraftTree(tokens, parents, b.q if drawn_b else None, confidence, evidence, drawn if drawn_b else None)
     return merged.subtree(_best(merged, budget))
+
+
+HEAD_ACCEPTANCE = 0.5
+"""What a drawn head node is worth per depth when the hybrid sizes the head's tree: its chance of
+acceptance given its parent's. The shipped head's drawn candidates are accepted about half the
+time at each depth at temperature 0.7-1.0 (tau 2.2-2.5 five deep with two candidates)."""
+
+
+def _head_depth(sibling: DraftTree, budget: int, width: int, max_depth: int) -> int:
+    """How deep the head drafts beside ``sibling`` within ``budget`` nodes: the budget goes to
+    whichever is likelier, a sibling node (its path confidence) or the head's next level (``width``
+    nodes, ``HEAD_ACCEPTANCE`` to the power of its depth), as if ranked together. Decided before
+    the head draws, from the sibling text alone."""
+    chances = sorted(_path_chances(sibling), reverse=True)
+    depth, used, taken = 0, 0, 0
+    while depth < max_depth:
+        level = HEAD_ACCEPTANCE ** (depth + 1)
+        while taken < len(chances) and chances[taken] > level and used < budget:
+            taken, used = taken + 1, used + 1
+        if used + width > budget:
+            break
+        depth, used = depth + 1, used + width
+    return depth
+
+
+def _path_chances(tree: DraftTree) -> list[float]:
+    """Each node's product of confidences from the root (0 without confidences)."""
+    chance: list[float] = []
+    for i, parent in enumerate(tree.parents):
+        conf = min(1.0, tree.confidence[i]) if tree.confidence is not None else 0.0
+        chance.append(conf if parent < 0 else conf * chance[parent])
+    return chance
 
 
 def _best(tree: DraftTree, budget: int) -> list[int]:
     """The ``budget`` nodes with the highest product of confidences from the root, ascending; a
     child never beats its parent (confidences are at most 1, ties go to the shallower node), so
-    the set is closed under parents."""
+    the set is closed under parents. Drawn nodes are all kept, first (they are closed under
+    parents: a drawn node's parent is drawn or the root)."""
     if len(tree.tokens) <= budget:
         return list(range(len(tree.tokens)))
-    chance: list[float] = []
-    for i, parent in enumerate(tree.parents):
-        conf = min(1.0, tree.confidence[i]) if tree.confidence is not None else 0.0
-        chance.append(conf if parent < 0 else conf * chance[parent])
+    chance = _path_chances(tree)
     depths = tree.depths()
-    order = sorted(range(len(chance)), key=lambda i: (-chance[i], depths[i], i))
-    return sorted(order[:budget])
+    drawn = tree.is_drawn()
+    order = sorted(range(len(chance)), key=lambda i: (not drawn[i], -chance[i], depths[i], i))
+    return sorted(order[:max(budget, sum(drawn))])

@@ -47,6 +47,8 @@ class ModelDrafter:
     wants_features = True
     _edges: torch.Tensor | None = None
     """``CONFIDENCE_EDGES`` as a tensor, made by the first ``limit``."""
+    chances: torch.Tensor | None = None
+    floor = 0.0
 
     def __init__(self, *, head: DraftHead, max_depth: int, max_nodes: int, num_candidates: int = 1,
                  temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0, copied: bool = False):
@@ -69,8 +71,8 @@ class ModelDrafter:
         """Per sample, its newest tokens: the one written after each feature above."""
         self.model_time = 0.0
         """Seconds spent in the head's forwards and draws (``RunStats.time_draft_model``)."""
-        self.chances: torch.Tensor | None = None
-        """Copied drafts under a draft budget: its measured acceptance per confidence bin (see
+        self.chances = None
+        """Under a hybrid's draft budget: its measured acceptance per confidence bin (see
         ``limit``); a chain stops where the product along its path falls below ``floor``."""
         self.floor = 0.0
         self.model_forwards = 0
@@ -125,10 +127,11 @@ class ModelDrafter:
         self.tokens.pop(sample_id, None)
 
     def limit(self, chances: Sequence[float], floor: float) -> None:
-        """Copied drafts only (their trees may be cut by what was drawn; the deterministic scheme
-        is exact for any tree): a node whose calibrated chance, the product of ``chances`` (per
-        bin of ``CONFIDENCE_EDGES``) over its path's confidences, is below ``floor`` is not
-        extended. Sampled drafts ignore it: their law must not depend on what was drawn."""
+        """A node whose calibrated chance, the product of ``chances`` (per bin of
+        ``CONFIDENCE_EDGES``) over its path's confidences, is below ``floor`` is not extended
+        (the hybrid's lanes set it from the budget's last cut). Exact for drawn drafts too: it
+        decides whether a node gets children from the node and its ancestors only, so every child
+        that is drawn is still drawn from its q; no drawn node is removed for what it is."""
         from multispec.engine.budget import CONFIDENCE_EDGES
 
         self.chances = torch.tensor(list(chances), dtype=torch.float32, device=self.device)
@@ -179,7 +182,7 @@ class ModelDrafter:
         levels = [(node_sample, node_pick, probs[node_sample], None)]  # q rows: the distribution drawn from
         chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
         depth_of = torch.tensor(depth, device=device)
-        pruned = self.copied and self.floor > 0 and self.chances is not None
+        pruned = self.floor > 0 and self.chances is not None
         chance = self._chance(node_prob) if pruned else None
         # The row of the previous forward (of the root, then of each depth) each frontier node continues.
         parent_rows = node_sample
@@ -305,11 +308,10 @@ class ModelDrafter:
         per_sample_nodes: list[list[int]] = [[] for _ in range(count)]
         for n, s in enumerate(samples):
             per_sample_nodes[s].append(n)
-        confidence = None
-        if greedy:  # each node's q probability, the drafter's confidence in it
-            picks = torch.cat([pick for _, pick, _, _ in levels])
-            confidence = torch.cat(rows_q).gather(1, picks[:, None])[:, 0].tolist()
-        else:
+        # Each node's q probability, the drafter's confidence in it (the hybrid's budget ranks by it).
+        picks = torch.cat([pick for _, pick, _, _ in levels])
+        confidence = torch.cat(rows_q).gather(1, picks[:, None])[:, 0].tolist()
+        if not greedy:
             q_small = torch.cat(rows_q)
             order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=q_small.device)
             q_full = torch.zeros(order.numel(), self.vocab_size, dtype=torch.float32, device=q_small.device)
@@ -318,8 +320,6 @@ class ModelDrafter:
         trees = []
         for s, nodes in enumerate(per_sample_nodes):
             trees.append(DraftTree([tokens[n] for n in nodes], [parents[n] for n in nodes],
-                                   None if greedy else q_split[s],
-                                   None if confidence is None else [confidence[n] for n in nodes],
-                                   None if confidence is None else [0] * len(nodes)))
+                                   None if greedy else q_split[s], [confidence[n] for n in nodes], [0] * len(nodes)))
         return trees
 

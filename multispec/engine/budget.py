@@ -185,26 +185,34 @@ class DraftBudget:
         Trees that merge the model's nodes with free ones (the hybrid: the model's carry evidence
         0, sibling matches more) also say whether the model itself paid: the best rate with its
         nodes, its seconds included, against the best rate of the free nodes alone. Where it did
-        not, the step counts against the model only (``model_idle``, ``wants_model``)."""
+        not, the step counts against the model only (``model_idle``, ``wants_model``).
+
+        Nodes drawn from a q (``DraftTree.drawn``, the hybrid's head candidates) are all kept,
+        whatever their chance: the multi-draft schemes need them exactly as drawn. They count
+        first in the step's cost and gain; the copied nodes around them are ranked and cut."""
         own = len(trees)
         batch = own + others
-        candidates = []  # (-chance, depth, sample, node, evidence)
+        candidates = []  # (copied, -chance, depth, sample, node, evidence)
+        pinned = 0
         for b, tree in enumerate(trees):
             if not tree.tokens or tree.confidence is None or tree.evidence is None:
                 continue
+            drawn = tree.is_drawn()
             chance: list[float] = []
             depth: list[int] = []
             for i, parent in enumerate(tree.parents):
                 p = self.calibrated(tree.confidence[i], tree.evidence[i])
                 chance.append(p if parent < 0 else p * chance[parent])
                 depth.append(1 if parent < 0 else depth[parent] + 1)
-                candidates.append((-chance[i], depth[i], b, i, tree.evidence[i]))
+                candidates.append((not drawn[i], -chance[i], depth[i], b, i, tree.evidence[i]))
+                pinned += drawn[i]
         candidates.sort()
         plain = batch / self.costs.seconds(batch, batch, 1, context)
-        keep, gained, step = self._best(candidates, own, batch, context, plain)
+        keep, gained, step = self._best(candidates, own, batch, context, plain, pinned)
         paid = keep > 0 and gained / (step + drafting) > plain
         if drafting > 0:
-            free = [c for c in candidates if c[4] > 0]  # closed under parents: a match's ancestors match
+            free = [(True, *c[1:]) for c in candidates if c[5] > 0]  # closed under parents: a match's ancestors match
+            free.sort()
             kept_free, gained_free, step_free = self._best(free, own, batch, context, plain)
             without = gained_free / step_free if kept_free else plain
             model_paid = keep > 0 and gained / (step + drafting) > without
@@ -213,29 +221,36 @@ class DraftBudget:
             model_paid = False
         self.model_idle = 0 if model_paid else self.model_idle + 1
         self.idle = 0 if paid else self.idle + 1
-        self.cutoff = -candidates[keep - 1][0] if keep else None
+        # The bar a node had to clear: the least chance among the copied nodes kept, or where none
+        # was, the best one left out (drawn nodes were kept whatever their chance).
+        kept_copied = [-c[1] for c in candidates[:keep] if c[0]]
+        left_copied = [-c[1] for c in candidates[keep:] if c[0]]
+        self.cutoff = min(kept_copied) if kept_copied else (max(left_copied) if left_copied and keep else None)
         kept: list[list[int]] = [[] for _ in trees]
-        for _, _, b, i, _ in candidates[:keep]:
+        for _, _, _, b, i, _ in candidates[:keep]:
             kept[b].append(i)
         return [tree.subtree(sorted(nodes)) for tree, nodes in zip(trees, kept)]
 
     def _best(self, candidates: list[tuple], own: int, batch: int, context: int,
-              plain: float) -> tuple[int, float, float]:
+              plain: float, least: int = 0) -> tuple[int, float, float]:
         """(k, expected tokens, step seconds) of the best first k of the ranked ``candidates``: the
         k of highest expected tokens per second, 0 (with a plain step's figures) unless it beats
-        ``plain`` tokens per second by ``MARGIN``."""
+        ``plain`` tokens per second by ``MARGIN``. ``least``: the first so many must be kept
+        (drawn nodes), whatever they promise."""
         seconds = self.costs.seconds
         counts = [1] * own
         qmax, samples_drafting, gained = 1, 0, float(batch)
         best = (0, float(batch), seconds(batch, batch, 1, context))
         best_rate = MARGIN * plain
-        for k, (neg_chance, _, b, *_) in enumerate(candidates, 1):
+        for k, (_, neg_chance, _, b, *_) in enumerate(candidates, 1):
             gained -= neg_chance
             samples_drafting += counts[b] == 1
             counts[b] += 1
             qmax = max(qmax, counts[b])
+            if k < least:
+                continue
             step = seconds(batch + k, batch, qmax, context, samples_drafting)
-            if gained / step > best_rate:
+            if gained / step > best_rate or k == least:
                 best, best_rate = (k, gained, step), gained / step
         return best
 

@@ -48,8 +48,10 @@ class Lane:
                                     min_ngram=spec.min_ngram, draft=draft, num_candidates=spec.num_candidates,
                                     temperature=temperature, scheme=spec.scheme,
                                     decision_threshold=spec.decision_threshold)
-        self.sampled = bool(self.drafter.sampled)
-        """Drafts drawn from a q: never pruned by what was drawn, the budget picks their length."""
+        self.sampled = bool(self.drafter.sampled) and not getattr(self.drafter, "scored", False)
+        """Drafts drawn from a q: never pruned by what was drawn, the budget picks their length. A
+        drafter whose trees are ``scored`` (the hybrid) is budgeted node by node even where some
+        of its nodes are drawn: ``DraftBudget.select`` keeps those whole."""
         self.width = spec.num_candidates if spec.drafter == "model" else 1
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
         if depth and prices is None:

@@ -135,11 +135,10 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         node_parents = torch.tensor([p for tree in chosen for p in tree.parents], dtype=torch.long, device=device)
         node_offsets = torch.tensor(np.cumsum([0] + [len(tree.tokens) for tree in chosen]), dtype=torch.long,
                                     device=device)
-        drafted = [tree.q for tree in chosen if tree.tokens]
-        q = torch.cat(drafted).to(device) if drafted and all(d is not None for d in drafted) else None
+        q, q_index = packed_q(chosen, device)
         # The engine builds these tensors itself, so the input checks are skipped here.
         out = verify_tree(member_probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
-                          rng=position_keys([samples[b] for b in members]), validate=False)
+                          rng=position_keys([samples[b] for b in members]), validate=False, q_index=q_index)
         for k, b in enumerate(members):
             paths[b] = out.accepted_nodes[k]
         for b, token in zip(members, out.bonus_token.tolist()):
@@ -159,6 +158,25 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         results.append(Verified(paths[b], bonus[b], token_probs[start:end], None if top is None else top[start:end]))
         start = end
     return results
+
+
+def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The q rows of a verification call's trees and, where some nodes carry none (copied nodes
+    beside drawn ones, or a tree of copied drafts among drawn ones), each node's row (-1: none).
+    (q, None) when every node carries one; (None, all -1) when none does (a step in which a
+    hybrid's head drew nothing: the schemes that read q then verify every node as copied)."""
+    drafted = [tree for tree in trees if tree.tokens]
+    rows = [tree.q for tree in drafted if tree.q is not None]
+    if not rows:
+        return None, torch.full((sum(len(tree.tokens) for tree in drafted),), -1, dtype=torch.long, device=device)
+    q = torch.cat(rows).to(device)
+    if len(rows) == len(drafted) and all(tree.drawn is None for tree in drafted):
+        return q, None
+    index, base = [], 0
+    for tree in drafted:
+        index += [r + base if r >= 0 else -1 for r in tree.q_rows()]
+        base += 0 if tree.q is None else tree.q.shape[0]
+    return q, torch.tensor(index, dtype=torch.long, device=device)
 
 
 def commit(step: Step, logits: torch.Tensor, results: list[Verified], cache: KVCache) -> list[int]:

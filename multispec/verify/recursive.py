@@ -10,6 +10,14 @@ Without replacement (recursive speculative decoding / MCSD): X_1 ~ q and each ne
 from q with the earlier drafts removed and renormalised, q_{i+1} = norm(q_i with q_i(X_i) = 0). The
 same recursion holds with q_i in place of a fixed q; a rejected X_i has p_i(X_i) < q_i(X_i), so
 p_{i+1}(X_i) = 0 and removing it from q costs nothing.
+
+Copied candidates after the drawn ones (the hybrid drafter's sibling text next to the head's
+candidates): a candidate copied from elsewhere was "drawn" from a point mass, so the recursion
+treats it as a draft with q = delta: accepted with probability p_i(x), and on rejection the target
+loses x. A run of such candidates at the end, after every drawn one is rejected, is therefore
+exactly the deterministic rule on the residual: draw y ~ p_{K+1} and accept the copied candidate
+equal to y (one draw for all of them). Exact because each candidate's law given the ones before it
+is known (the copied ones may depend on what was drawn before them, never on the target's draws).
 """
 
 import torch
@@ -27,6 +35,7 @@ def recursive_rejection(
     rng: Uniforms | torch.Generator | None = None,
     *,
     without_replacement: bool = False,
+    copied: torch.Tensor | None = None,
     validate: bool = True,
 ) -> Selection:
     """Verify candidates [N, K] against p [R, V].
@@ -34,9 +43,16 @@ def recursive_rejection(
     With replacement, q is [R, V] (i.i.d. drafts) or [R, K, V] (draft i from q[:, i]). Without
     replacement, q [R, V] is the distribution the first draft was drawn from; later drafts were
     drawn from it with the earlier drafts removed.
+
+    ``copied`` [N, K] bool marks candidates that carry no q (copied text); in each row they must
+    follow every drawn candidate, and they are verified after those by the deterministic rule on
+    the residual (see the module docstring). A row may hold copied candidates only (its q row is
+    then not read).
     """
     if validate:
         check_token_inputs(p, candidates, q, (2,) if without_replacement else (2, 3))
+        if copied is not None:
+            check_copied_after_drawn(candidates, copied)
     n, k_max = candidates.shape
     rng = Uniforms.of(rng, n)
     p_cur = rows_of(p, n)
@@ -47,8 +63,10 @@ def recursive_rejection(
     for k in range(k_max):
         token = candidates[:, k]
         live = undecided & (token >= 0)
+        if copied is not None:
+            live &= ~copied[:, k]
         if not bool(live.any()):
-            break
+            break  # drawn candidates come first: only copied ones (or none) are left
         q_k = q_cur[:, k] if q_cur.dim() == 3 else q_cur
         safe = token.clamp_min(0)
         px, qx = take(p_cur, safe), take(q_k, safe)
@@ -65,7 +83,23 @@ def recursive_rejection(
     if rest.numel():
         p_rest = p_cur[rest]
         output[rest] = sampling.sample_rows(p_rest, rng.rows(rest), fallback=p_rest)
+        if copied is not None:
+            copies = candidates[rest]
+            match = copied[rest] & (copies >= 0) & (copies == output[rest][:, None])
+            index[rest] = torch.where(match.any(1), match.float().argmax(1), -1)
     return Selection(output, index)
+
+
+def check_copied_after_drawn(candidates: torch.Tensor, copied: torch.Tensor) -> None:
+    """Raise ValueError unless ``copied`` has the candidates' shape and no drawn candidate follows
+    a copied one in its row."""
+    if copied.shape != candidates.shape or copied.dtype != torch.bool:
+        raise ValueError(f"copied must be a bool tensor shaped like candidates {tuple(candidates.shape)}, got "
+                         f"{copied.dtype} {tuple(copied.shape)}")
+    drawn = ~copied & (candidates >= 0)
+    seen_copy = (copied & (candidates >= 0)).long().cummax(1).values.bool()
+    if bool((drawn & seen_copy).any()):
+        raise ValueError("copied candidates must follow every candidate drawn from q in their row")
 
 
 def acceptance_specinfer(p: torch.Tensor, q: torch.Tensor, num_drafts: int) -> torch.Tensor:

@@ -28,11 +28,14 @@ INDEPENDENT = "independent"
 """Siblings drawn independently, each from its own q row."""
 WITHOUT_REPLACEMENT = "without_replacement"
 """Siblings drawn one after another without replacement from the first sibling's q row."""
-SAMPLED_LAWS = (IID, INDEPENDENT, WITHOUT_REPLACEMENT)
+MIXED = "mixed"
+"""Siblings drawn without replacement from the first sibling's q row, then copied ones (no q) after
+them: the hybrid drafter's head candidates beside sibling text."""
+SAMPLED_LAWS = (IID, INDEPENDENT, WITHOUT_REPLACEMENT, MIXED)
 
 AUTO = "auto"
 _PHRASE = {COPIED: "copied (no q)", IID: "i.i.d. with replacement", INDEPENDENT: "independently",
-           WITHOUT_REPLACEMENT: "without replacement"}
+           WITHOUT_REPLACEMENT: "without replacement", MIXED: "without replacement next to copied ones"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ class Scheme:
     ``select(p, candidates, q, rng, top_s, ranked)`` verifies one node per row. ``laws``: the
     sibling laws the rule is exact for when a node has several children (a single child drawn
     from its q row satisfies every q-based rule). ``shared_q``: reads one q row per sibling group
-    (the first sibling's) rather than one per sibling.
+    (the first sibling's) rather than one per sibling. ``select_mixed(p, candidates, q, copied,
+    rng)``: the rule for nodes whose children mix drawn candidates with copied ones after them (the
+    ``MIXED`` law); a q-based scheme without it is not exact for such trees.
     """
 
     name: str
@@ -66,6 +71,7 @@ class Scheme:
     shared_q: bool = False
     temperature_zero_only: bool = False
     max_width: int | None = None
+    select_mixed: Callable | None = None
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
@@ -82,7 +88,9 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            lambda p, c, q, rng, top_s, ranked: recursive_rejection(p, c, q, rng, without_replacement=True,
                                                                    validate=False),
            "recursive rejection sampling without replacement (MCSD)", needs_q=True,
-           laws=frozenset({WITHOUT_REPLACEMENT}), shared_q=True),
+           laws=frozenset({WITHOUT_REPLACEMENT, MIXED}), shared_q=True,
+           select_mixed=lambda p, c, q, copied, rng: recursive_rejection(p, c, q, rng, without_replacement=True,
+                                                                         copied=copied, validate=False)),
     Scheme("spectr", lambda p, c, q, rng, top_s, ranked: spectr_select(p, c, q, rng, validate=False),
            "SpecTr K-SEQ", needs_q=True, laws=frozenset({IID}), shared_q=True),
     Scheme("canonical_lp", lambda p, c, q, rng, top_s, ranked: canonical_select(
@@ -100,7 +108,7 @@ NAMES = (AUTO, *SCHEMES)
 """What a ``scheme=`` option accepts."""
 
 _AUTO_BY_LAW = {COPIED: "deterministic", IID: "canonical_wis", INDEPENDENT: "specinfer",
-                WITHOUT_REPLACEMENT: "without_replacement"}
+                WITHOUT_REPLACEMENT: "without_replacement", MIXED: "without_replacement"}
 
 
 def resolve(name: str, law: DraftLaw | None, temperature: float | None = None) -> Scheme:
@@ -132,6 +140,9 @@ def check_drafts(name: str, law: DraftLaw | None, temperature: float | None = No
     if scheme.needs_q and not law.sampled:
         raise ValueError(f"scheme={name!r} needs the distribution q each draft was drawn from, but {source} "
                          f"copies its drafts (no q): use 'auto' or 'deterministic' (or sampled drafts from a drafter that samples)")
+    if scheme.needs_q and law.law == MIXED and scheme.select_mixed is None:
+        raise ValueError(f"scheme={name!r} needs the q of every draft, but {source} verifies copied drafts (no q) "
+                         f"beside the drawn ones: use 'auto', 'without_replacement' or 'deterministic'")
     if scheme.max_width is not None and law.width > scheme.max_width:
         raise ValueError(f"scheme={name!r} takes at most {scheme.max_width} child per node, but {source} "
                          f"proposes up to {law.width}: lower max_draft_nodes below twice max_draft_tokens or "
@@ -145,4 +156,5 @@ def check_drafts(name: str, law: DraftLaw | None, temperature: float | None = No
 
 def _exact(scheme: Scheme, law: DraftLaw) -> bool:
     """Whether ``scheme`` uses the q of drafts of ``law`` and is exact for them."""
-    return scheme.needs_q and law.law in scheme.laws and (scheme.max_width is None or law.width <= scheme.max_width)
+    return (scheme.needs_q and law.law in scheme.laws and (scheme.max_width is None or law.width <= scheme.max_width)
+            and (law.law != MIXED or scheme.select_mixed is not None))

@@ -27,6 +27,7 @@ import torch
 from multispec.verify import sampling
 from multispec.verify.batch import Selection
 from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S
+from multispec.verify.recursive import check_copied_after_drawn
 from multispec.verify.sampling import PositionKeys, Uniforms
 from multispec.verify.schemes import SCHEMES, Scheme, resolve
 from multispec.verify.validation import check_distribution, check_integer
@@ -66,6 +67,7 @@ def verify_tree(
     validate: bool = True,
     top_s: int = DEFAULT_TOP_S,
     ranked: int | None = DEFAULT_RANKED,
+    q_index: torch.Tensor | None = None,
 ) -> TreeVerifyResult:
     """Accepted path and bonus token for every sample of a packed batch of draft trees.
 
@@ -73,15 +75,25 @@ def verify_tree(
     node_parents [M] (local parent index, -1 = root child, parents before children), node_offsets
     [B + 1]; q [M, V] the distribution each node was drawn from, or None for deterministic drafts.
 
+    Trees that mix drawn nodes with copied ones (the ``MIXED`` law): ``q_index`` [M] gives each
+    node's row of q ([R, V], one row per drawn node), -1 for a copied node. Among the children of
+    a node the copied ones must follow the drawn ones; the scheme's ``select_mixed`` verifies them.
+
     Which joint law the siblings were drawn from decides which schemes are lossless (see
     ``multispec.verify.schemes``: each scheme's preconditions, checked by the engine before a
-    request runs). "auto" picks "deterministic" when q is None and "canonical_wis" otherwise
-    (i.i.d. siblings).
+    request runs). "auto" picks "deterministic" when q is None, "without_replacement" for mixed
+    trees (``q_index``) and "canonical_wis" otherwise (i.i.d. siblings).
     """
-    chosen = SCHEMES["deterministic" if q is None else "canonical_wis"] if scheme == "auto" else resolve(scheme, None)
+    if scheme == "auto":
+        chosen = SCHEMES["without_replacement" if q_index is not None else "deterministic" if q is None
+                         else "canonical_wis"]
+    else:
+        chosen = resolve(scheme, None)
     if validate:
-        _check_tree(p, node_tokens, node_parents, node_offsets, q, chosen)
+        _check_tree(p, node_tokens, node_parents, node_offsets, q, chosen, q_index)
     layout = tree_layout(node_parents, node_offsets)
+    if validate and q_index is not None:
+        _check_copied_after_drawn(layout, q_index)
     if chosen.max_width is not None and layout.children.shape[1] > chosen.max_width:
         raise ValueError(f"scheme {chosen.name!r} takes at most {chosen.max_width} child per node; use a multi-draft "
                          f"scheme for branching trees")
@@ -106,7 +118,7 @@ def verify_tree(
             uniforms = Uniforms(who.numel(), generator=rng)
         # A step without drafts visits every row of p once, in order, at depth 0: no copy of p.
         p_rows = p if depth == 0 and rows.numel() == p.shape[0] else p[rows]
-        choice = _select_at_nodes(chosen, p_rows, kids, node_tokens, q, uniforms, top_s, ranked)
+        choice = _select_at_nodes(chosen, p_rows, kids, node_tokens, q, uniforms, top_s, ranked, q_index)
         accepted = choice.index >= 0
         child = kids.gather(1, choice.index.clamp_min(0)[:, None]).squeeze(1)
         stopped = who[~accepted]
@@ -119,9 +131,12 @@ def verify_tree(
     return _result(path, bonus, node_tokens, layout)
 
 
-def _select_at_nodes(scheme: Scheme, p_rows, kids, node_tokens, q, rng: Uniforms | None, top_s, ranked) -> Selection:
+def _select_at_nodes(scheme: Scheme, p_rows, kids, node_tokens, q, rng: Uniforms | None, top_s, ranked,
+                     q_index=None) -> Selection:
     """Run the scheme at one node per row; rows without children take argmax p (greedy) or a draw
-    from p, the same draw plain sampling makes there."""
+    from p, the same draw plain sampling makes there. With ``q_index`` (trees mixing drawn and
+    copied nodes), the scheme's ``select_mixed`` verifies each row's drawn children, then its copied
+    ones."""
     n = p_rows.shape[0]
     no_index = torch.full((n,), -1, dtype=torch.long, device=p_rows.device)
     greedy = scheme.temperature_zero_only
@@ -137,7 +152,16 @@ def _select_at_nodes(scheme: Scheme, p_rows, kids, node_tokens, q, rng: Uniforms
         rows = leaf.nonzero().squeeze(1)
         token[rows] = sampling.sample_rows(p_rows[rows], rng.rows(rows), fallback=p_rows[rows])
     inner = (~leaf).nonzero().squeeze(1)
-    if inner.numel():
+    if inner.numel() and q_index is not None:
+        inner_kids = kids[inner]
+        rows_of_q = torch.where(inner_kids >= 0, q_index[inner_kids.clamp_min(0)], -1)
+        copied = (inner_kids >= 0) & (rows_of_q < 0)
+        # A row whose first child is copied has only copied ones: its q row is never read.
+        q_rows = q[rows_of_q[:, 0].clamp_min(0)] if q is not None else p_rows[inner]
+        chosen = scheme.select_mixed(p_rows[inner], candidates[inner], q_rows, copied, rng.rows(inner))
+        token[inner] = chosen.token
+        no_index[inner] = chosen.index
+    elif inner.numel():
         inner_kids = kids[inner]
         q_rows = q[inner_kids[:, 0]] if scheme.shared_q else q[inner_kids.clamp_min(0)]
         chosen = scheme.select(p_rows[inner], candidates[inner], q_rows, rng.rows(inner), top_s, ranked)
@@ -191,7 +215,12 @@ def _result(path, bonus, node_tokens, layout) -> TreeVerifyResult:
     return TreeVerifyResult(nodes, num, bonus, local, tokens)
 
 
-def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme) -> None:
+def _check_copied_after_drawn(layout: TreeLayout, q_index: torch.Tensor) -> None:
+    kids = layout.children
+    check_copied_after_drawn(kids, (kids >= 0) & (q_index[kids.clamp_min(0)] < 0))
+
+
+def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme, q_index=None) -> None:
     """Raise ValueError naming the first problem with the packed inputs."""
     check_integer("node_tokens", node_tokens, 1)
     check_integer("node_parents", node_parents, 1)
@@ -215,7 +244,18 @@ def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme) -> None:
     local = torch.arange(num_nodes, device=p.device) - node_offsets[:-1][sample]
     if bool(((node_parents < -1) | (node_parents >= local)).any()):
         raise ValueError("node_parents: each parent must be -1 (root) or an earlier node of the same sample")
-    if scheme.needs_q:
+    if q_index is not None:
+        check_integer("q_index", q_index, 1)
+        if scheme.needs_q and scheme.select_mixed is None:
+            raise ValueError(f"scheme {scheme.name!r} cannot verify copied nodes (q_index -1) beside drawn ones")
+        rows = 0 if q is None else q.shape[0]
+        if q_index.shape[0] != num_nodes or bool(((q_index < -1) | (q_index >= rows)).any()):
+            raise ValueError(f"q_index must give each of the {num_nodes} nodes a row of q (< {rows}) or -1")
+        if q is not None:
+            if q.dim() != 2 or q.shape[1] != vocab:
+                raise ValueError(f"q must be [R, V] with V = {vocab}, got shape {tuple(q.shape)}")
+            check_distribution("q", q)
+    elif scheme.needs_q:
         if q is None:
             raise ValueError(f"scheme {scheme.name!r} needs q, the draft distributions of the nodes")
         if q.shape != (num_nodes, vocab):

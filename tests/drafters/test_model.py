@@ -404,9 +404,84 @@ def test_hybrid_merges_shared_prefixes_and_keeps_the_likeliest_paths():
     assert cut.tokens == [5, 6, 4] and cut.parents == [-1, 0, 1]
 
 
-def test_hybrid_refuses_sampled_drafts():
-    with pytest.raises(ValueError, match="sampled_drafts"):
-        SpecConfig(drafter="hybrid", sampled_drafts=True)
+def test_hybrid_with_drawn_candidates_keeps_them_first_and_whole():
+    """``sampled_drafts=True``: the head's nodes (drawn, with q rows) come first among their
+    siblings and are all kept, each with its own q row; sibling text that repeats a drawn node
+    joins it, the rest is copied after them and cut by path confidence to the budget."""
+    from multispec.drafters import DraftTree
+    from multispec.drafters.hybrid import merge
+
+    q = torch.eye(12)[[5, 9, 6]]  # any rows: one per drawn node
+    sibling = DraftTree([5, 6, 7, 8], [-1, 0, 1, -1], None, [0.9, 0.8, 0.5, 0.99], [3, 3, 2, 4])
+    head = DraftTree([5, 9, 6], [-1, -1, 0], q, [0.1, 0.05, 0.2], [0, 0, 0])
+    merged = merge(sibling, head, budget=5)
+    assert merged.tokens == [5, 9, 6, 7, 8] and merged.parents == [-1, -1, 0, 2, -1]
+    assert merged.drawn == [True, True, True, False, False]
+    assert torch.equal(merged.q, q) and merged.q_rows() == [0, 1, 2, -1, -1]
+    assert merged.evidence == [3, 0, 3, 2, 4]
+    # Four nodes: the drawn three stay, however unlikely; the likelier copied node wins the last place.
+    cut = merge(sibling, head, budget=4)
+    assert cut.tokens == [5, 9, 6, 8] and cut.drawn == [True, True, True, False]
+    assert torch.equal(cut.q, q)
+    # Subtrees keep each drawn node's own row.
+    part = merged.subtree([0, 2, 4])
+    assert part.drawn == [True, True, False] and torch.equal(part.q, q[[0, 2]])
+
+
+def test_the_hybrid_sizes_its_drawn_head_against_the_sibling_text():
+    """The head's depth comes from the sibling tree alone (before the head draws): a sibling node
+    takes the budget of a head level it is likelier than (levels worth 0.5, 0.25, 0.125, ...)."""
+    from multispec.drafters import DraftTree
+    from multispec.drafters.hybrid import _head_depth
+
+    nothing = DraftTree.EMPTY
+    assert _head_depth(nothing, 10, 2, 5) == 5
+    assert _head_depth(nothing, 7, 2, 5) == 3
+    sure = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], None, [0.9, 0.9, 0.9, 0.9], [3, 3, 3, 3])  # 0.9 ... 0.66
+    assert _head_depth(sure, 10, 2, 5) == 3  # the four sibling nodes beat every level: 4 + 2 x 3
+    unsure = DraftTree([1, 2], [-1, -1], None, [0.2, 0.1], [1, 1])  # below level 2 (0.25) and level 3 (0.125)
+    assert _head_depth(unsure, 10, 2, 5) == 4  # levels 1-2, the 0.2 node, level 3, the 0.1 node, level 4
+    assert _head_depth(unsure, 10, 2, 3) == 3
+
+
+def test_hybrid_with_drawn_candidates_refuses_the_rules_that_need_every_q():
+    law = SpecConfig(drafter="hybrid", sampled_drafts=True).draft_law
+    assert law.law == "mixed"
+    for scheme in ("auto", "without_replacement", "deterministic"):
+        SpecConfig(drafter="hybrid", sampled_drafts=True, scheme=scheme)
+    for scheme in ("single", "specinfer", "spectr", "canonical_lp", "canonical_wis"):
+        with pytest.raises(ValueError, match=f"scheme='{scheme}'"):
+            SpecConfig(drafter="hybrid", sampled_drafts=True, scheme=scheme)
+
+
+def test_hybrid_with_drawn_candidates_keeps_the_three_token_law_under_the_budget(setup):
+    """The adaptive budget cuts the hybrid's copied nodes by their calibrated chance but must keep
+    the drawn ones whole: chi-square of 10,000 samples' first three tokens against their exact
+    law, with the budget on (cells: sequences of probability >= 0.4%, plus the rest). Power >= 0.9
+    at alpha 1e-3 against a sampler that moves 3% of the mass from the likeliest sequence to the
+    second."""
+    llm, head, prompt, _ = setup
+    cells = exact_cells(llm, prompt, 1.0, 3, threshold=0.004)
+    keys = sorted(cells, key=cells.get, reverse=True)
+    expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
+    calls, per_call = 4, 2500
+    total = calls * per_call
+    assert _power(expected_p, total, 0.03) >= 0.9
+    config = SpecConfig(drafter="hybrid", draft_model=str(head), sampled_drafts=True, num_candidates=2,
+                        max_draft_tokens=3)
+    counts, other, accepted = dict.fromkeys(keys, 0), 0, 0
+    for seed in range(calls):
+        out = llm.generate([prompt], SamplingParams(n=per_call, temperature=1.0, max_tokens=5, ignore_eos=True,
+                                                    seed=seed), config, use_tqdm=False)[0]
+        accepted += llm.last_stats.accepted_tokens
+        for completion in out.outputs:
+            key = tuple(completion.token_ids[:3])
+            if key in counts:
+                counts[key] += 1
+            else:
+                other += 1
+    assert accepted > 0.2 * total, "too few accepted drafts to exercise verification"
+    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -458,7 +533,8 @@ def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setu
 def test_hybrid_head_stops_chains_below_the_budgets_cut(setup):
     """Copied head drafts (the hybrid's) stop a chain where the product of the budget's measured
     acceptance over its confidences falls below the floor the lane sets from the last step's cut;
-    with no floor they run the full depth, and sampled drafts ignore the floor."""
+    with no floor they run the full depth. Drawn drafts stop the same way (whether a node gets a
+    child depends on the node and its ancestors only, so the child is still drawn from its q)."""
     llm, head, prompt, _ = setup
     loaded = DraftHead.load(head).attach(llm.model)
     hidden = llm.config.hidden_size
@@ -482,4 +558,5 @@ def test_hybrid_head_stops_chains_below_the_budgets_cut(setup):
     # Every node calibrated at 0.4: paths 0.4, 0.16, 0.064, so nodes at depth 3 are not extended.
     assert depths(True, [0.4] * bins, 0.1) == [3, 3, 3]
     assert depths(True, [0.4] * bins, 0.5) == [1, 1, 1]
-    assert depths(False, [0.4] * bins, 0.5) == [4, 4, 4]
+    assert depths(False, [0.4] * bins, 0.5) == [1, 1, 1]
+    assert depths(False, None, 0.0) == [4, 4, 4]

@@ -272,3 +272,22 @@ def test_a_lane_prices_its_draft_models_depths_from_what_they_cost():
     assert lane.depth_seconds == pytest.approx(0.75 * 0.01 + 0.25 * 0.03)
     dear = lane.budgets(samples, 16, CONTEXT)
     assert 0 < dear[0] < free[0]
+
+
+def test_drawn_nodes_are_kept_whatever_they_promise():
+    """The hybrid's drawn head candidates must reach the verifier exactly as drawn: where every
+    token costs as much as a sample's step and nothing pays, the copied nodes are cut but the
+    drawn ones stay (and count in the step's cost); where drafts pay, the copied nodes are ranked
+    as before around them. The cut the head grows against comes from the copied nodes only."""
+    import torch
+
+    q = torch.eye(16)[[10]]
+    mixed = DraftTree([10, 11, 12], [-1, -1, 1], q, [0.1, 0.3, 0.8], [0, 3, 2], [True, False, False])
+    dear = DraftBudget(4, costs(fixed=0.0, per_token=0.01))
+    kept = dear.select([mixed] * 8, CONTEXT)
+    assert all(tree.tokens == [10] and tree.drawn == [True] and torch.equal(tree.q, q) for tree in kept)
+    assert dear.cutoff == pytest.approx(dear.calibrated(0.3, 3))  # the best copied node left out
+    cheap = DraftBudget(4, costs(fixed=0.05, per_token=0.0001))
+    kept = cheap.select([mixed] * 8, CONTEXT)
+    assert all(tree.tokens == [10, 11, 12] for tree in kept)
+    assert cheap.cutoff == pytest.approx(cheap.calibrated(0.3, 3) * cheap.calibrated(0.8, 2))

@@ -9,7 +9,8 @@ the first three tokens their exact law (chi-square, power asserted). Refused one
 ValueError before the engine runs. The draft model drafts with a copy head
 (``tests.tiny_models.write_copy_head``); its fork and tree are its candidates (three at the root,
 or two chains two deep), and it always samples, so only ``sampled_drafts=False`` is walked for it.
-The hybrid drafter (consensus and the same head, copied drafts) is walked as the others are.
+The hybrid drafter (consensus and the same head) is walked as the others are: copied, and with
+``sampled_drafts=True`` the head's candidates drawn and the sibling text copied after them.
 """
 
 from __future__ import annotations
@@ -133,8 +134,10 @@ def test_every_configuration_is_exact_or_refused(successor, drafter, sampled, sc
 def test_the_walk_refuses_exactly_the_inexact_pairings():
     """What the walk above must see refused, written out from the schemes' assumptions: a rule that
     reads q cannot verify copied drafts; without replacement and single-draft rules do not fit
-    consensus's i.i.d. forks; greedy acceptance is for temperature 0; prompt lookup has nothing to
-    sample from. Everything else runs."""
+    consensus's i.i.d. forks; of the rules that read q only recursive rejection without
+    replacement verifies the hybrid's drawn candidates with copied text beside them; greedy
+    acceptance is for temperature 0; prompt lookup has nothing to sample from. Everything else
+    runs."""
     refused = set()
     for drafter, sampled, scheme in COMBINATIONS:
         for shape in SHAPES:
@@ -152,7 +155,9 @@ def test_the_walk_refuses_exactly_the_inexact_pairings():
         for shape in SHAPES:
             copied = drafter in ("consensus", "ngram", "hybrid") and not sampled
             wide = SHAPES[shape][1] // SHAPES[shape][0] > 1
-            if (scheme == "greedy" or (drafter in ("ngram", "hybrid") and sampled) or (copied and scheme in q_rules)
+            mixed = drafter == "hybrid" and sampled  # drawn head nodes beside copied sibling text
+            if (scheme == "greedy" or (drafter == "ngram" and sampled) or (copied and scheme in q_rules)
+                    or (mixed and scheme in q_rules - {"without_replacement"})
                     or (drafter == "consensus" and sampled and wide and scheme in ("single", "without_replacement"))
                     or (drafter == "model" and wide and scheme == "single")):
                 want.add((drafter, sampled, scheme, shape))

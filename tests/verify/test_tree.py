@@ -12,7 +12,7 @@ import torch
 
 from multispec.verify import DraftLaw, PositionKeys, check_drafts, verify_tree
 from multispec.verify.sampling import sample_rows
-from multispec.verify.schemes import COPIED, IID, INDEPENDENT, SCHEMES, WITHOUT_REPLACEMENT
+from multispec.verify.schemes import COPIED, IID, INDEPENDENT, MIXED, SCHEMES, WITHOUT_REPLACEMENT
 from tests.verify.verify_stats import ALPHA, chi_square_pvalue, dirichlet, np_counts
 
 VOCAB = 4
@@ -43,11 +43,14 @@ class Language:
 def _draft_batch(lang: Language, law: str, g: torch.Generator):
     """Packed inputs for SAMPLES copies of the tree, drafted under ``law``: copied (the siblings are
     q's most likely tokens, fixed before any draw), i.i.d. from q, independently from q and
-    q_other in turn, or from q without replacement."""
+    q_other in turn, from q without replacement, or mixed (the hybrid's trees: a drawn sibling
+    first and a copied one after it, which here depends on what was drawn; single children copied
+    under even nodes, drawn under odd ones). Also returns each node's row of q, -1 where copied."""
     n_nodes = len(PARENTS)
     tokens = torch.zeros(SAMPLES, n_nodes, dtype=torch.long)
     prefix = torch.zeros(SAMPLES, n_nodes, dtype=torch.long)  # index of the prefix ending at the node
     q_rows = torch.zeros(SAMPLES, n_nodes, VOCAB, dtype=torch.float64)
+    q_index = torch.arange(n_nodes).repeat(SAMPLES, 1)
     for first in range(0, n_nodes):
         parent = int(PARENTS[first])
         if first > 0 and parent == int(PARENTS[first - 1]):
@@ -60,6 +63,14 @@ def _draft_batch(lang: Language, law: str, g: torch.Generator):
                   for column in range(len(siblings))]
         if law == COPIED:
             drawn = q.topk(len(siblings), -1).indices
+        elif law == MIXED:
+            drawn = torch.multinomial(q, 1, generator=g)
+            if len(siblings) > 1:  # the copied one: the next token after the drawn one
+                drawn = torch.cat([drawn, (drawn + 1) % VOCAB], 1)
+                q_index[:, siblings[1]] = -1
+            elif parent >= 0 and parent % 2 == 0:
+                drawn = lang.q_other[depth][context].argmax(-1, keepdim=True)
+                q_index[:, first] = -1
         elif law == WITHOUT_REPLACEMENT and len(siblings) > 1:
             u = torch.rand(SAMPLES, VOCAB, generator=g, dtype=torch.float64).clamp_min(1e-300)
             drawn = (q.log() - (-u.log()).log()).topk(len(siblings), -1).indices
@@ -73,7 +84,8 @@ def _draft_batch(lang: Language, law: str, g: torch.Generator):
     after = torch.stack([lang.p[int(DEPTH[j])][prefix[:, j]] for j in range(n_nodes)], 1)
     p = torch.cat([root, after], 1).reshape(-1, VOCAB)
     offsets = torch.arange(SAMPLES + 1) * n_nodes
-    return p, tokens.flatten(), PARENTS.repeat(SAMPLES), offsets, q_rows.reshape(-1, VOCAB)
+    q_index = torch.where(q_index >= 0, q_index + offsets[:-1, None], -1)
+    return p, tokens.flatten(), PARENTS.repeat(SAMPLES), offsets, q_rows.reshape(-1, VOCAB), q_index.flatten()
 
 
 def _first_three(lang: Language, result, g: torch.Generator) -> torch.Tensor:
@@ -91,7 +103,7 @@ def _first_three(lang: Language, result, g: torch.Generator) -> torch.Tensor:
 
 
 WIDTH = 2  # the most children a node of PARENTS has
-PAIRS = [(scheme, law) for scheme in SCHEMES for law in (COPIED, IID, INDEPENDENT, WITHOUT_REPLACEMENT)]
+PAIRS = [(scheme, law) for scheme in SCHEMES for law in (COPIED, IID, INDEPENDENT, WITHOUT_REPLACEMENT, MIXED)]
 
 
 def _accepts(scheme: str, law: str) -> bool:
@@ -107,9 +119,10 @@ def _walk(scheme: str, law: str, seed: int = 5):
     position as the engine keys them."""
     lang = Language(seed=11)
     g = torch.Generator().manual_seed(seed)
-    p, tokens, parents, offsets, q = _draft_batch(lang, law, g)
+    p, tokens, parents, offsets, q, q_index = _draft_batch(lang, law, g)
     keys = PositionKeys(np.arange(SAMPLES, dtype=np.uint64) + np.uint64(seed << 32), np.zeros(SAMPLES, dtype=np.int64))
-    result = verify_tree(p, tokens, parents, offsets, None if law == COPIED else q, scheme=scheme, rng=keys)
+    result = verify_tree(p, tokens, parents, offsets, None if law == COPIED else q, scheme=scheme, rng=keys,
+                         q_index=q_index if law == MIXED else None)
     assert int(result.num_accepted.max()) == 3  # full paths occur, so every depth is exercised
     return lang, _first_three(lang, result, g)
 
@@ -133,7 +146,8 @@ def test_the_walk_covers_every_scheme_and_law():
     draft-blind deterministic one (greedy runs only at temperature 0, tested elsewhere)."""
     accepted = [pair for pair in PAIRS if _accepts(*pair)]
     assert {scheme for scheme, _ in accepted} == set(SCHEMES) - {"greedy", "single"}
-    assert {law for scheme, law in accepted if scheme != "deterministic"} == {IID, INDEPENDENT, WITHOUT_REPLACEMENT}
+    assert {law for scheme, law in accepted if scheme != "deterministic"} == {IID, INDEPENDENT, WITHOUT_REPLACEMENT,
+                                                                              MIXED}
 
 
 def test_a_refused_pairing_is_biased():
@@ -149,7 +163,7 @@ def test_accepted_path_is_a_path():
     """Accepted nodes run root-child first, each the child of the previous, with matching tokens."""
     lang = Language(seed=3)
     g = torch.Generator().manual_seed(0)
-    p, tokens, parents, offsets, q = _draft_batch(lang, IID, g)
+    p, tokens, parents, offsets, q, _ = _draft_batch(lang, IID, g)
     result = verify_tree(p[: 11 * 50], tokens[:500], parents[:500], offsets[:51], q[:500], scheme="spectr", rng=g)
     for b, nodes in enumerate(result.accepted_nodes):
         expected_parent = -1
@@ -211,7 +225,7 @@ def test_keyed_draws_make_draft_blind_schemes_repeat_plain_sampling(law):
     seeded speculative run repeat the seeded plain run token for token."""
     lang = Language(seed=4)
     g = torch.Generator().manual_seed(1)
-    p, tokens, parents, offsets, q = _draft_batch(lang, law, g)
+    p, tokens, parents, offsets, q, _ = _draft_batch(lang, law, g)
     n = 5000
     p, tokens, parents, offsets = p[: n * 11], tokens[: n * 10], parents[: n * 10], offsets[: n + 1]
     keys = PositionKeys(np.arange(n, dtype=np.uint64) * np.uint64(7919), np.full(n, 3, dtype=np.int64))
@@ -230,7 +244,7 @@ def test_keyed_draws_do_not_depend_on_the_batch():
     alone, or in another order, because its draws are keyed by its own key and position."""
     lang = Language(seed=8)
     g = torch.Generator().manual_seed(2)
-    p, tokens, parents, offsets, q = _draft_batch(lang, IID, g)
+    p, tokens, parents, offsets, q, _ = _draft_batch(lang, IID, g)
     n = 40
     # Trees of different sizes: sample b keeps its first b % 11 nodes (a prefix of PARENTS is a tree).
     keep = [b % 11 for b in range(n)]
@@ -256,3 +270,53 @@ def test_keyed_draws_do_not_depend_on_the_batch():
         assert any(path for path, _ in whole.values())
         assert run(list(reversed(range(n))), scheme) == whole
         assert {b: run([b], scheme)[b] for b in range(0, n, 7)} == {b: whole[b] for b in range(0, n, 7)}
+
+
+def test_copied_candidates_after_drawn_ones_take_the_residuals_draw():
+    """Recursive rejection with copied candidates after the drawn ones draws exactly the tokens it
+    draws without them (the copied ones only decide whether the residual's draw counts as an
+    accepted draft), so its output law is the drawn-only rule's; a copied candidate is accepted
+    exactly where every drawn one was rejected and the draw equals it."""
+    from multispec.verify import recursive_rejection
+
+    g = torch.Generator().manual_seed(3)
+    rows = 20_000
+    p = torch.cat([dirichlet(VOCAB, 0.7, g) for _ in range(rows)])
+    q = torch.cat([dirichlet(VOCAB, 0.7, g) for _ in range(rows)])
+    drawn = torch.multinomial(q, 1, generator=g)
+    copies = torch.stack([(drawn[:, 0] + 1) % VOCAB, (drawn[:, 0] + 2) % VOCAB], 1)
+    candidates = torch.cat([drawn, copies], 1)
+    copied = torch.tensor([False, True, True]).expand(rows, 3)
+    keys = PositionKeys(np.arange(rows, dtype=np.uint64), np.zeros(rows, dtype=np.int64))
+    alone = recursive_rejection(p, drawn, q, keys.at(torch.arange(rows), 0), without_replacement=True)
+    mixed = recursive_rejection(p, candidates, q, keys.at(torch.arange(rows), 0), without_replacement=True,
+                                copied=copied.clone())
+    assert torch.equal(mixed.token, alone.token)
+    rejected = alone.index < 0
+    matched = rejected[:, None] & (copies == alone.token[:, None])
+    want = torch.where(alone.index == 0, 0, torch.where(matched.any(1), 1 + matched.float().argmax(1), -1))
+    assert torch.equal(mixed.index, want)
+    assert int((mixed.index > 0).sum()) > rows // 20  # the copied candidates do get accepted
+    with pytest.raises(ValueError, match="copied candidates must follow"):
+        recursive_rejection(p, candidates, q, keys.at(torch.arange(rows), 0), without_replacement=True,
+                            copied=torch.tensor([True, False, False]).expand(rows, 3).clone())
+
+
+def test_a_mixed_call_without_any_drawn_node_is_the_deterministic_walk():
+    """A step in which the hybrid's head drew nothing: every node copied (q_index -1, no q), which
+    recursive rejection verifies as the deterministic rule does, draw for draw."""
+    from multispec.engine.step import packed_q
+    from multispec.drafters import DraftTree
+
+    lang = Language(seed=11)
+    g = torch.Generator().manual_seed(2)
+    p, tokens, parents, offsets, _, _ = _draft_batch(lang, COPIED, g)
+    keys = PositionKeys(np.arange(SAMPLES, dtype=np.uint64), np.zeros(SAMPLES, dtype=np.int64))
+    copied_trees = [DraftTree([1, 2], [-1, 0], None), DraftTree.EMPTY, DraftTree([3], [-1], None)]
+    q, q_index = packed_q(copied_trees, "cpu")
+    assert q is None and q_index.tolist() == [-1, -1, -1]
+    q_index = torch.full_like(tokens, -1)
+    mixed = verify_tree(p, tokens, parents, offsets, None, scheme="without_replacement", rng=keys, q_index=q_index)
+    plain = verify_tree(p, tokens, parents, offsets, None, scheme="deterministic", rng=keys)
+    assert torch.equal(mixed.bonus_token, plain.bonus_token) and torch.equal(mixed.accepted_path, plain.accepted_path)
+    assert int(plain.num_accepted.sum()) > 0
