@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import warnings
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
@@ -447,8 +448,9 @@ class LLMEngine:
         drafter = lane.drafter
         try:
             return drafter.propose([s.sample_id for s in samples], budgets, uniforms)
-        except Exception:  # noqa: BLE001 - found again below, request by request
-            pass
+        except Exception as error:  # noqa: BLE001 - found again below, request by request
+            first = error
+        failed = False
         proposed = [DraftTree.EMPTY] * len(samples)
         by_request: dict[Request, list[int]] = {}
         for k, sample in enumerate(samples):
@@ -459,9 +461,17 @@ class LLMEngine:
                                       None if uniforms is None else [uniforms[k] for k in ks])
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
+                failed = True
                 continue
             for k, tree in zip(ks, got):
                 proposed[k] = tree
+        if not failed and not lane.warned:
+            # No request fails alone (the error depends on the batch, or the failed call changed
+            # the drafter's state): the requests go on, but the error must not pass unseen.
+            lane.warned = True
+            warnings.warn(f"multispec: drafter {lane.spec.drafter!r} raised {type(first).__name__}: {first} for a "
+                          f"step's samples together but for no request alone; the requests go on, drafting "
+                          f"request by request (shown once)", RuntimeWarning, stacklevel=2)
         return proposed
 
     def _observe(self, step: Step, results: list[Verified], kept: list[int], changed: dict[str, Request]) -> None:

@@ -58,6 +58,9 @@ class Lane:
             raise ValueError("an adaptive draft budget needs the engine's step prices")
         self.budget = DraftBudget(depth, prices() if depth else None, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram), width=self.width)
+        self.warned = False
+        """Whether the engine has warned that this lane's drafter raised for a whole step's
+        samples but for no request alone (``Engine._propose``)."""
         self.depth_seconds = 0.0
         """What one draft depth of the drafter's own model has cost lately (seconds for the lane's
         samples of a step; 0 until measured, and for drafters without a model)."""

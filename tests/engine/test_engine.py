@@ -198,6 +198,34 @@ def test_a_failing_request_ends_with_its_error_and_the_others_complete(engine, p
     assert [c.token_ids for c in run(engine)["plain"][-1].outputs] == [c.token_ids for c in ok.outputs]
 
 
+class FailingTogether(ConsensusDrafter):
+    """Raises when asked for two requests' samples in one call, never for one request's alone."""
+
+    def propose(self, sample_ids, budgets, uniforms=None):
+        if max(sample_ids) - min(sample_ids) >= 4:
+            raise RuntimeError("drafter broke on the batch")
+        return super().propose(sample_ids, budgets, uniforms)
+
+
+def test_a_drafter_failing_only_on_the_whole_batch_is_reported_once(engine, prompt, monkeypatch):
+    """No request fails alone, so every request completes (drafting request by request), and the
+    error is shown once as a warning rather than passing unseen."""
+    import warnings
+
+    monkeypatch.setitem(DRAFTERS, "failing-together", FailingTogether)
+    spec = SpecConfig(drafter="failing-together", max_draft_tokens=3, max_draft_nodes=3, adaptive=False)
+    engine.add_request("a", prompt, params(), spec)
+    engine.add_request("b", prompt, params(seed=4), spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = run(engine)
+    shown = [w for w in caught if "drafter broke on the batch" in str(w.message)]
+    assert len(shown) == 1 and "'failing-together'" in str(shown[0].message)
+    for name in "ab":
+        assert seen[name][-1].error is None and [len(c.token_ids) for c in seen[name][-1].outputs] == [20] * 4
+    assert engine.stats.accepted_tokens > 0
+
+
 class FailingAtAdmission(ConsensusDrafter):
     """Raises when told about a prompt whose first token is 399 (a request's prefill bookkeeping)."""
 
