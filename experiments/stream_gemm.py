@@ -6,7 +6,11 @@ Times all products of a 30-layer stack shaped like the default model (fused q/k/
 of bf16 weights, far larger than any cache) at 1 to 128 rows: oneDNN's linear on weights
 prepacked for it (the engine's product before) and ``multispec.stream_linear`` on weights laid out
 for the tiles. Interleaved, median of several passes. Also prints the machine's read bandwidth
-(one ``sum`` over 1 GiB), the floor of any product that reads its weights once.
+(one ``sum`` over 1 GiB), the floor of any product that reads its weights once, and the layer
+stack's streaming products twice: as a step runs them (every weight read from memory, "cold") and
+with the first layer's four weights thirty times over ("hot", in cache: the arithmetic alone). A
+cold time near hot + the weights' read time means the product waits for memory instead of
+overlapping the read with its arithmetic (``PREFETCH`` in ``stream_gemm.cpp``).
 
     python experiments/stream_gemm.py
 """
@@ -72,8 +76,8 @@ def main() -> None:
         err = ((got - ref).abs() / (ref.abs() + 1e-2)).max().item()
         assert err < 2e-2, (w.shape, err)
 
-    print("| rows | oneDNN ms | stream ms | ratio |")
-    print("|---|---|---|---|")
+    print("| rows | oneDNN ms | stream ms | ratio | layers cold ms | layers hot ms |")
+    print("|---|---|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         a_runs, b_runs = [], []
@@ -86,12 +90,21 @@ def main() -> None:
             for w, p in zip(weights, stream):
                 ops.stream_linear(xs[w.shape[1]], p, None)
 
+        def run_layers(layers):
+            for w, p in zip(weights[:-1], layers):
+                ops.stream_linear(xs[w.shape[1]], p, None)
+
+        hot_layers = stream[:4] * 30
+        cold_runs, hot_runs = [], []
         run_onednn(), run_stream()
         for _ in range(args.passes):
             a_runs.append(timed(run_onednn))
             b_runs.append(timed(run_stream))
+            cold_runs.append(timed(lambda: run_layers(stream[:-1])))
+            hot_runs.append(timed(lambda: run_layers(hot_layers)))
         a, b = statistics.median(a_runs) * 1e3, statistics.median(b_runs) * 1e3
-        print(f"| {rows} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
+        cold, hot = statistics.median(cold_runs) * 1e3, statistics.median(hot_runs) * 1e3
+        print(f"| {rows} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {cold:.1f} | {hot:.1f} |", flush=True)
 
 
 def steps(args) -> None:

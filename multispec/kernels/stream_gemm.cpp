@@ -146,7 +146,12 @@ inline void panel_product3(const uint16_t* x, int64_t x_stride, const uint16_t* 
 #ifdef MULTISPEC_VECTOR_STREAM
 
 constexpr int64_t VECTOR_ROWS = 12;  // rows sharing each weight vector: 24 accumulators of 32
-constexpr int64_t PREFETCH = 4 * 1024;  // elements ahead (8 KiB: four k blocks)
+// Elements ahead that the weight is asked for (32 KiB: sixteen k blocks), into L2 rather than L1:
+// on a Zen 4 core, 8 KiB ahead into L1 streamed the weights at 16-19 GB/s of the 26 that one core
+// reads, and products of 16 rows or more paid the weight's read and their arithmetic one after the
+// other; 32 KiB into L2 reaches 25-26 GB/s and overlaps the two (experiments/stream_gemm.py: its
+// "layers cold" against "layers hot").
+constexpr int64_t PREFETCH = 16 * 1024;
 
 // Rows [0, ROWS) of x times one panel (32 columns), rounded to bf16 with the bias into y. Each
 // row's two accumulators (16 columns each) take the k pairs in order, one vdpbf16ps each.
@@ -159,10 +164,10 @@ inline void vector_panel(const uint16_t* x, int64_t k, const uint16_t* w, int64_
     const uint16_t* block = w + kb * 2 * 512;
     const uint16_t* xk = x + kb * KBLOCK;
     for (int r = 0; r < 16; ++r) {
-      // Ask for the weight a few k blocks ahead: with several rows to multiply, the loop issues its
+      // Ask for the weight sixteen k blocks ahead: with several rows to multiply, the loop issues its
       // loads too slowly for the hardware prefetcher to keep enough of memory's reads in flight.
-      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + r * 32), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + 512 + r * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + r * 32), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH + 512 + r * 32), _MM_HINT_T1);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + r * 32);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + 512 + r * 32);
       for (int m = 0; m < ROWS; ++m) {
