@@ -105,13 +105,16 @@ inline __m512 sum_lanes16(__m512 v[16]) {
 // Scores of bf16 query rows against ``count`` bf16 keys (row stride ``step``), scaled, into
 // scores[i * stride + j]: pairs of bf16 products summed in float32 (AVX512-BF16), sixteen keys at
 // a time so that one shuffle tree finishes sixteen dot products.
-inline void score_keys_bf16(const c10::BFloat16* q, int64_t q_stride, int64_t rows, int64_t dim,
-                            const c10::BFloat16* keys, int64_t step, int64_t count, float scale, float* scores,
-                            int64_t stride, Ahead* ahead = nullptr) {
-  const int64_t pairs = dim / 32;
+// PAIRS = head_dim / 32 known at compile time: the products of one key unroll, with no loop
+// bookkeeping between them.
+template <int PAIRS>
+inline void score_keys_bf16_fixed(const c10::BFloat16* q, int64_t q_stride, int64_t rows,
+                                  const c10::BFloat16* keys, int64_t step, int64_t count, float scale, float* scores,
+                                  int64_t stride, Ahead* ahead) {
+  constexpr int64_t pairs = PAIRS;
   const __m512 scaled = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < rows; ++i) {
-    __m512bh qv[8];
+    __m512bh qv[PAIRS];
     for (int64_t c = 0; c < pairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * q_stride + 32 * c);
     float* out = scores + i * stride;
     int64_t j = 0;
@@ -132,6 +135,21 @@ inline void score_keys_bf16(const c10::BFloat16* q, int64_t q_stride, int64_t ro
       for (int64_t c = 0; c < pairs; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
       out[j] = _mm512_reduce_add_ps(a) * scale;
     }
+  }
+}
+
+inline void score_keys_bf16(const c10::BFloat16* q, int64_t q_stride, int64_t rows, int64_t dim,
+                            const c10::BFloat16* keys, int64_t step, int64_t count, float scale, float* scores,
+                            int64_t stride, Ahead* ahead = nullptr) {
+  switch (dim / 32) {  // dim is a multiple of 32 up to 256 (see ``fast``)
+    case 1: return score_keys_bf16_fixed<1>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 2: return score_keys_bf16_fixed<2>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 3: return score_keys_bf16_fixed<3>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 4: return score_keys_bf16_fixed<4>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 5: return score_keys_bf16_fixed<5>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 6: return score_keys_bf16_fixed<6>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    case 7: return score_keys_bf16_fixed<7>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
+    default: return score_keys_bf16_fixed<8>(q, q_stride, rows, keys, step, count, scale, scores, stride, ahead);
   }
 }
 #endif
