@@ -83,6 +83,22 @@ def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, thr
     return cells
 
 
+def sampled_cells(llm, prompt_ids, keys, length: int, calls, spec) -> tuple[list[int], int]:
+    """Counts of the samples' first ``length`` tokens over ``keys`` (each a token tuple), then one
+    count for every other sequence, from one ``generate`` call per SamplingParams in ``calls``; and
+    the calls' accepted draft tokens, which a test checks to know its drafts were verified at all."""
+    counts, other, accepted = dict.fromkeys(keys, 0), 0, 0
+    for params in calls:
+        for completion in llm.generate([prompt_ids], params, spec, use_tqdm=False)[0].outputs:
+            key = tuple(completion.token_ids[:length])
+            if key in counts:
+                counts[key] += 1
+            else:
+                other += 1
+        accepted += llm.last_stats.accepted_tokens
+    return [counts[k] for k in keys] + [other], accepted
+
+
 NEAR_TIE = 1e-4
 """How close to a boundary of the cumulative distribution a draw may fall and still be decided
 differently by two batch shapes: a batch's shape changes the rounding of the logits (about 1e-6),

@@ -15,7 +15,7 @@ from multispec.drafters import DRAFTERS, ModelDrafter
 from multispec.models.draft_head import DraftHead, HeadConfig
 from multispec.training import (Sequences, TrainConfig, agreement, file_agreement, pick_threshold, teacher_forced,
                                train_head, unroll_inputs, windows)
-from tests.helpers import exact_cells
+from tests.helpers import exact_cells, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
 ALPHA = 1e-3
@@ -58,20 +58,11 @@ def test_three_candidates_keep_the_two_token_law(setup):
     total = calls * per_call
     assert _power(expected_p, total, 0.03) >= 0.9
     config = spec(head, num_candidates=3, max_draft_tokens=2, decision_threshold=0.5)
-    counts, other, accepted, drafted = dict.fromkeys(keys, 0), 0, 0, 0
-    for seed in range(calls):
-        out = llm.generate([prompt], SamplingParams(n=per_call, temperature=1.0, max_tokens=4, ignore_eos=True,
-                                                    seed=seed), config, use_tqdm=False)[0]
-        accepted += llm.last_stats.accepted_tokens
-        drafted += llm.last_stats.drafted_tokens
-        for completion in out.outputs:
-            key = tuple(completion.token_ids[:2])
-            if key in counts:
-                counts[key] += 1
-            else:
-                other += 1
+    observed, accepted = sampled_cells(
+        llm, prompt, keys, 2, [SamplingParams(n=per_call, temperature=1.0, max_tokens=4, ignore_eos=True, seed=seed)
+                               for seed in range(calls)], config)
     assert accepted > 0.3 * total, "too few accepted drafts to exercise verification"
-    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
+    assert chisquare(observed, [p * total for p in expected_p]).pvalue > ALPHA
 
 
 def _longest_continuation(p1: torch.Tensor, p2: torch.Tensor, q2: torch.Tensor, width: int, runs: int,
@@ -469,19 +460,11 @@ def test_hybrid_with_drawn_candidates_keeps_the_three_token_law_under_the_budget
     assert _power(expected_p, total, 0.03) >= 0.9
     config = SpecConfig(drafter="hybrid", draft_model=str(head), sampled_drafts=True, num_candidates=2,
                         max_draft_tokens=3)
-    counts, other, accepted = dict.fromkeys(keys, 0), 0, 0
-    for seed in range(calls):
-        out = llm.generate([prompt], SamplingParams(n=per_call, temperature=1.0, max_tokens=5, ignore_eos=True,
-                                                    seed=seed), config, use_tqdm=False)[0]
-        accepted += llm.last_stats.accepted_tokens
-        for completion in out.outputs:
-            key = tuple(completion.token_ids[:3])
-            if key in counts:
-                counts[key] += 1
-            else:
-                other += 1
+    observed, accepted = sampled_cells(
+        llm, prompt, keys, 3, [SamplingParams(n=per_call, temperature=1.0, max_tokens=5, ignore_eos=True, seed=seed)
+                               for seed in range(calls)], config)
     assert accepted > 0.2 * total, "too few accepted drafts to exercise verification"
-    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
+    assert chisquare(observed, [p * total for p in expected_p]).pvalue > ALPHA
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

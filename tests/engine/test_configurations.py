@@ -21,7 +21,7 @@ from scipy.stats import chi2, chisquare, ncx2
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS
 from multispec.verify.schemes import NAMES, resolve
-from tests.helpers import exact_cells
+from tests.helpers import exact_cells, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
 TEMPERATURE = 1.0
@@ -85,17 +85,9 @@ def assert_first_tokens_follow_the_law(llm, prompt, cells, spec):
     expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
     total = CALLS * PER_CALL
     assert power(expected_p, total, 0.05, 1) >= 0.9 and power(expected_p, total, 0.02, len(keys) - 1) >= 0.9
-    counts, other, accepted = dict.fromkeys(keys, 0), 0, 0
-    for seed in range(CALLS):
-        for completion in llm.generate([prompt], params(seed), spec, use_tqdm=False)[0].outputs:
-            key = tuple(completion.token_ids[:LENGTH])
-            if key in counts:
-                counts[key] += 1
-            else:
-                other += 1
-        accepted += llm.last_stats.accepted_tokens
+    observed, accepted = sampled_cells(llm, prompt, keys, LENGTH, [params(seed) for seed in range(CALLS)], spec)
     assert accepted > 0.2 * total, "too few accepted drafts for the test to exercise verification"
-    assert chisquare([counts[k] for k in keys] + [other], [p * total for p in expected_p]).pvalue > ALPHA
+    assert chisquare(observed, [p * total for p in expected_p]).pvalue > ALPHA
 
 
 COMBINATIONS = [(d, s, scheme) for d in DRAFTERS for s in (False, True) for scheme in NAMES
