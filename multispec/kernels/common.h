@@ -3,12 +3,15 @@
 // scalar).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 namespace multispec_kernels {
@@ -77,6 +80,63 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return vanishes ? 0.0f : p * scale;
+}
+
+// Items 0 .. n-1 shared among the intra-op threads so that none waits long for another: each
+// thread starts on its own contiguous share, in order, and one that runs out takes the last item of
+// the share with the most left, one at a time, until nothing is left. With fixed halves, one of the
+// two cores of a Zen 4 waited for the other at the end of every product (14-17 us a call at 16
+// samples in flight, 68 at 128) and of every attention layer (12-17 us, 181 at 128): the cores do not
+// run at the same speed. Here those waits are 4-5 us at 16 and 10-13 at 128, and a step is about
+// 1.5% faster (less than the waits suggest: a core left alone reads memory faster). What an item
+// computes does not depend on which thread takes it.
+class Shares {
+ public:
+  Shares(int64_t n, int64_t parts) : parts_(std::max<int64_t>(1, std::min(parts, n))), slots_(new Slot[parts_]) {
+    for (int64_t p = 0; p < parts_; ++p)
+      slots_[p].range.store(pack(n * p / parts_, n * (p + 1) / parts_), std::memory_order_relaxed);
+  }
+  int64_t parts() const { return parts_; }
+  // The next item for ``part``: from the front of its own share, else from the back of the fullest
+  // other share; -1 when every item is taken.
+  int64_t next(int64_t part) {
+    std::atomic<uint64_t>& own = slots_[part].range;
+    uint64_t r = own.load(std::memory_order_relaxed);
+    while (low(r) < high(r))
+      if (own.compare_exchange_weak(r, pack(low(r) + 1, high(r)), std::memory_order_relaxed)) return low(r);
+    while (true) {
+      int64_t victim = -1, most = 0;
+      for (int64_t p = 0; p < parts_; ++p) {
+        const uint64_t v = slots_[p].range.load(std::memory_order_relaxed);
+        if (high(v) - low(v) > most) most = high(v) - low(v), victim = p;
+      }
+      if (victim < 0) return -1;
+      std::atomic<uint64_t>& other = slots_[victim].range;
+      uint64_t v = other.load(std::memory_order_relaxed);
+      while (low(v) < high(v))
+        if (other.compare_exchange_weak(v, pack(low(v), high(v) - 1), std::memory_order_relaxed)) return high(v) - 1;
+    }
+  }
+
+ private:
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> range{0};
+  };
+  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
+  static int64_t low(uint64_t r) { return static_cast<int64_t>(r & 0xFFFFFFFFu); }
+  static int64_t high(uint64_t r) { return static_cast<int64_t>(r >> 32); }
+  int64_t parts_;
+  std::unique_ptr<Slot[]> slots_;
+};
+
+// body(part, shares) on every thread, each draining ``shares.next(part)``; items 0 .. n-1 (n < 2^31).
+template <typename Body>
+void balanced_for(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  Shares shares(n, at::get_num_threads());
+  at::parallel_for(0, shares.parts(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) body(part, shares);
+  });
 }
 
 }  // namespace multispec_kernels

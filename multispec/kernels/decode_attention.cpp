@@ -370,7 +370,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   // x its keys / 16 blocks and must cover dim * 2 / 64 lines a key) and per value row added.
   const int key_lines = static_cast<int>(dim * static_cast<int64_t>(sizeof(scalar_t)) / (4 * group)) + 2;
   const int value_lines = static_cast<int>(std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(scalar_t)) / 64));
-  auto work = [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> qf, scores, acc, row_buf(dim);
 #ifdef MULTISPEC_AMX
     std::unique_ptr<multispec_amx::Scratch> scratch;
@@ -380,13 +380,15 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
     }
     const multispec_amx::Release release{amx};
 #endif
-    for (int64_t item = begin; item < end; ++item) {
+    // Each item claims the thread's next one before it runs, so that it can ask for the next one's
+    // keys and values while it computes.
+    for (int64_t item = shares.next(part), following; item >= 0; item = following) {
+      following = shares.next(part);
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      // This task's next item, asked for while this one runs.
       Ahead next_item;
       Ahead* ahead = nullptr;
-      if (item + 1 < end) {
-        const int64_t b2 = (item + 1) / kv_heads, h2 = (item + 1) % kv_heads;
+      if (following >= 0) {
+        const int64_t b2 = following / kv_heads, h2 = following % kv_heads;
         next_item.keys = reinterpret_cast<const char*>(okp + sample_slot[b2] * os0 + h2 * os1);
         next_item.values = reinterpret_cast<const char*>(ovp + sample_slot[b2] * ovs0 + h2 * ovs1);
         next_item.bytes = written[b2] * os2 * static_cast<int64_t>(sizeof(scalar_t));
@@ -523,7 +525,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       }
     }
   };
-  at::parallel_for(0, batch * kv_heads, 1, work);
+  multispec_kernels::balanced_for(batch * kv_heads, work);
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t batch) {

@@ -33,10 +33,10 @@ void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor
   const scalar_t* lp = logits.data_ptr<scalar_t>();
   float* pp = probs.data_ptr<float>();
   float* ep = lse.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> row(vocab);
     float* x = row.data();
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r; (r = shares.next(part)) >= 0;) {
       const scalar_t* in = lp + r * vocab;
       // The maximum as a vector reduction: a scalar max chain waits on each compare (about 65 us
       // a row of 49k); max rounds nothing, so any order gives the same value.

@@ -285,15 +285,16 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
   // Rows in blocks of equal size (16 rows: 8 + 8, not 12 + 4): a block of few rows has too few
   // accumulators to hide the dot product's latency.
   const int64_t blocks = (rows + VECTOR_ROWS - 1) / VECTOR_ROWS, per_block = (rows + blocks - 1) / blocks;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // Items are (panel, block of rows), a panel's blocks adjacent: a thread's own share walks the
+  // panels in order and reuses each panel's weights from cache across its row blocks; the items a
+  // thread takes from another's share at the end are single row blocks.
+  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t item; (item = shares.next(part)) >= 0;) {
+      const int64_t p = item / blocks, r0 = item % blocks * per_block;
       __m512 bias_lo, bias_hi;
       panel_bias(p, bias_lo, bias_hi);
-      const uint16_t* w = wp + p * panel_elems;
-      for (int64_t r0 = 0; r0 < rows; r0 += per_block) {
-        const int64_t chunk = std::min(per_block, rows - r0);
-        kernels[chunk - 1](xp + r0 * k, k, w, kblocks, bias_lo, bias_hi, yp + r0 * n + p * PANEL, n);
-      }
+      const int64_t chunk = std::min(per_block, rows - r0);  // >= 1: (blocks - 1) * per_block < rows
+      kernels[chunk - 1](xp + r0 * k, k, wp + p * panel_elems, kblocks, bias_lo, bias_hi, yp + r0 * n + p * PANEL, n);
     }
   });
 #endif
