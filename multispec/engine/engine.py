@@ -388,8 +388,9 @@ class LLMEngine:
         t4 = time.perf_counter()
         tokens = int(step.token_ids.numel())
         if self._prices is not None:
-            counts = step.layout.counts
-            self._prices.record(t4 - t0, tokens, len(slots), int(counts.max()), context, int((counts > 1).sum()))
+            drafting = sum(1 for tree in trees if tree.tokens)
+            self._prices.record(t4 - t0, tokens, len(slots), 1 + max(len(tree.tokens) for tree in trees), context,
+                                drafting)
         for lane, members in lanes.items():
             lane.record([trees[b] for b in members], [results[b].path for b in members])
         stats = self.stats

@@ -39,15 +39,21 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         top_p: torch.Tensor, truncated: bool | None = None,
+                         greedy: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``target_probs`` and, where the compiled CPU softmax computes it alongside (rows without
     top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits; None
-    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly."""
+    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly.
+    ``truncated`` (some row has top-k or top-p) and ``greedy`` (some row has temperature 0): where
+    the caller knows them, the parameter tensors are not searched for them."""
     op = _compiled_softmax(logits)
-    if op is None or bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if truncated is None:
+        truncated = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    if op is None or truncated:
         return target_probs(logits, temperature, top_k, top_p), None
     probs, lse = op(logits.contiguous(), temperature.to(torch.float32).contiguous())
-    _one_hot_greedy(probs, logits, temperature <= 0)
+    if greedy is None or greedy:
+        _one_hot_greedy(probs, logits, temperature <= 0)
     return probs, lse
 
 

@@ -85,8 +85,12 @@ def position_keys(samples: list[Sample]) -> PositionKeys:
                         np.array([len(s.output_ids) for s in samples], dtype=np.int64))
 
 
-def sampling_rows(requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row temperature, top-k and top-p of the given rows' requests."""
+def sampling_rows(requests: list[Request], device: torch.device,
+                  repeats: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top-k and top-p of the given rows' requests; ``repeats``: each
+    request's row taken that many times in a row (a sample's root and draft rows)."""
+    if repeats is not None and any(count != 1 for count in repeats):
+        requests = [r for r, count in zip(requests, repeats) for _ in range(count)]
     return (torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device),
             torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=device),
             torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device))
@@ -102,9 +106,13 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     samples, trees = step.samples, step.trees
     device = logits.device
     counts = [1 + len(t.tokens) for t in trees]
-    rows = torch.tensor(counts, device=device)
-    probs, step.logsumexp = target_probs_and_lse(
-        logits, *(x.repeat_interleave(rows) for x in sampling_rows([s.request for s in samples], device)))
+    requests = [s.request for s in samples]
+    # What the softmax must do besides temperature, known from the requests: no per-row checks
+    # on the parameter tensors.
+    truncated = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
+    greedy = any(r.params.temperature <= 0 for r in requests)
+    probs, step.logsumexp = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
+                                                 truncated=truncated, greedy=greedy)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):
         groups.setdefault(sample.request.scheme, []).append(b)
@@ -221,8 +229,9 @@ def commit(step: Step, logits: torch.Tensor, results: list[Verified], cache: KVC
             rows = logprob_rows(offset, offset + len(tokens))
         kept.append(sample.append(tokens, token_logprobs[offset: offset + len(tokens)], rows))
         offset += len(tokens)
-    cache.keep_paths(*(torch.tensor(index, dtype=torch.long, device=device)
-                       for index in (move_slots, move_src, move_dst)))
+    if move_slots:  # none where no sample accepted a node out of place (plain steps, chains)
+        cache.keep_paths(*(torch.tensor(index, dtype=torch.long, device=device)
+                           for index in (move_slots, move_src, move_dst)))
     return kept
 
 
