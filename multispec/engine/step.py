@@ -19,6 +19,7 @@ from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
 from multispec.verify.sampling import sample_rows
+from multispec.verify.tree import layout_of_trees
 
 
 @dataclass
@@ -146,7 +147,8 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         q, q_index = packed_q(chosen, device)
         # The engine builds these tensors itself, so the input checks are skipped here.
         out = verify_tree(member_probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
-                          rng=position_keys([samples[b] for b in members]), validate=False, q_index=q_index)
+                          rng=position_keys([samples[b] for b in members]), validate=False, q_index=q_index,
+                          layout=layout_of_trees([tree.parents for tree in chosen], device))
         for k, b in enumerate(members):
             paths[b] = out.accepted_nodes[k]
         for b, token in zip(members, out.bonus_token.tolist()):

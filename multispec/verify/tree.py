@@ -68,6 +68,7 @@ def verify_tree(
     top_s: int = DEFAULT_TOP_S,
     ranked: int | None = DEFAULT_RANKED,
     q_index: torch.Tensor | None = None,
+    layout: "TreeLayout | None" = None,
 ) -> TreeVerifyResult:
     """Accepted path and bonus token for every sample of a packed batch of draft trees.
 
@@ -83,6 +84,9 @@ def verify_tree(
     ``multispec.verify.schemes``: each scheme's preconditions, checked by the engine before a
     request runs). "auto" picks "deterministic" when q is None, "without_replacement" for mixed
     trees (``q_index``) and "canonical_wis" otherwise (i.i.d. siblings).
+
+    ``layout``: the trees' ``TreeLayout`` where the caller has it (``layout_of_trees`` builds it
+    from the parent lists without a pass of tensor operations); else derived from the tensors.
     """
     if scheme == "auto":
         chosen = SCHEMES["without_replacement" if q_index is not None else "deterministic" if q is None
@@ -91,7 +95,8 @@ def verify_tree(
         chosen = resolve(scheme, None)
     if validate:
         _check_tree(p, node_tokens, node_parents, node_offsets, q, chosen, q_index)
-    layout = tree_layout(node_parents, node_offsets)
+    if layout is None:
+        layout = tree_layout(node_parents, node_offsets)
     if validate and q_index is not None:
         _check_copied_after_drawn(layout, q_index)
     if chosen.max_width is not None and layout.children.shape[1] > chosen.max_width:
@@ -190,6 +195,35 @@ def tree_layout(node_parents: torch.Tensor, node_offsets: torch.Tensor) -> TreeL
     children = torch.full((batch + num_nodes, width), -1, dtype=torch.long, device=device)
     children[parent_row[order], slot] = order
     return TreeLayout(root_row, node_row, first_node, children, _depth_max(parent_node))
+
+
+def layout_of_trees(parents: list[list[int]], device: torch.device | str = "cpu") -> TreeLayout:
+    """``tree_layout`` of the packed trees whose local parent lists are ``parents`` (one list per
+    sample), built in Python: for the few small trees of a decode step this is a handful of list
+    operations and five tensors, where the tensor version runs some thirty small operations."""
+    batch, num_nodes = len(parents), sum(len(ps) for ps in parents)
+    root_row, node_row, first_node = [], [], []
+    rows_children: list[list[int]] = [[] for _ in range(batch + num_nodes)]
+    depth_max, node = 0, 0
+    for b, ps in enumerate(parents):
+        root = node + b
+        root_row.append(root)
+        first_node.append(node)
+        depth: list[int] = []
+        for j, parent in enumerate(ps):
+            node_row.append(node + j + b + 1)
+            rows_children[root if parent < 0 else node + parent + b + 1].append(node + j)
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        depth_max = max(depth_max, max(depth, default=0))
+        node += len(ps)
+    width = max(1, max(len(kids) for kids in rows_children))
+    children = [kids + [-1] * (width - len(kids)) for kids in rows_children]
+
+    def longs(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return TreeLayout(longs(root_row), longs(node_row), longs(first_node), longs(children).reshape(-1, width),
+                      depth_max)
 
 
 def _depth_max(parent_node: torch.Tensor) -> int:

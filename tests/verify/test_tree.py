@@ -320,3 +320,23 @@ def test_a_mixed_call_without_any_drawn_node_is_the_deterministic_walk():
     plain = verify_tree(p, tokens, parents, offsets, None, scheme="deterministic", rng=keys)
     assert torch.equal(mixed.bonus_token, plain.bonus_token) and torch.equal(mixed.accepted_path, plain.accepted_path)
     assert int(plain.num_accepted.sum()) > 0
+
+
+def test_layout_from_parent_lists_equals_the_tensor_layout():
+    """The engine's layout built from Python lists (``layout_of_trees``) is field for field the one
+    ``verify_tree`` derives from the packed tensors, on random forests with empty trees, chains,
+    branching and several roots' children; a wrong row, child order or depth fails here."""
+    from multispec.verify.tree import layout_of_trees, tree_layout
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        forest = []
+        for _ in range(int(rng.integers(1, 6))):
+            size = int(rng.integers(0, 8))
+            forest.append([int(rng.integers(-1, j)) for j in range(size)])  # parents before children
+        offsets = torch.tensor(np.cumsum([0] + [len(ps) for ps in forest]), dtype=torch.long)
+        parents = torch.tensor([p for ps in forest for p in ps], dtype=torch.long)
+        want, got = tree_layout(parents, offsets), layout_of_trees(forest)
+        for name in ("root_row", "node_row", "first_node", "children"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, forest)
+        assert got.depth_max == want.depth_max, forest
