@@ -19,6 +19,8 @@ where the tests plant a bias to show that their statistical checks have power.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -37,13 +39,18 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _MASK = (1 << 64) - 1
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of 64-bit words whose outputs pass BigCrush."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
+    """SplitMix64's finaliser: a bijection of 64-bit words whose outputs pass BigCrush. Returns a
+    new array (``x`` is not changed); the steps after the first work in place on it."""
+    x = x ^ (x >> _S30)
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
 
 
 def _words(value) -> np.ndarray:
@@ -64,8 +71,17 @@ def derive(keys, *words) -> np.ndarray:
     """
     out = _mix(_words(keys) ^ _GOLDEN)
     for word in words:
-        out = _mix(out + _mix(_words(word) + _GOLDEN))
+        out = _mix(out + (_mixed_int(word) if isinstance(word, int) else _mix(_words(word) + _GOLDEN)))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _mixed_int(word: int) -> np.ndarray:
+    """``_mix(_words(word) + _GOLDEN)`` of an int word (a purpose, a candidate's column): the same
+    few values on every draw of a step, so kept rather than mixed again."""
+    mixed = _mix(_words(word) + _GOLDEN)
+    mixed.flags.writeable = False
+    return mixed
 
 
 def sample_key(seed: int, index: int) -> int:
