@@ -60,6 +60,7 @@ def recursive_rejection(
     output = torch.full((n,), -1, dtype=torch.long, device=p.device)
     index = torch.full((n,), -1, dtype=torch.long, device=p.device)
     undecided = torch.ones(n, dtype=torch.bool, device=p.device)
+    owned_p = owned_q = False  # p_cur / q_cur still the caller's rows (or one shared row)
     for k in range(k_max):
         token = candidates[:, k]
         live = undecided & (token >= 0)
@@ -74,11 +75,21 @@ def recursive_rejection(
         output = torch.where(accepted, token, output)
         index = torch.where(accepted, k, index)
         undecided &= ~accepted
-        rejected = (live & ~accepted)[:, None]
-        p_cur = torch.where(rejected, normalise((p_cur - q_k).clamp_min(0), p_cur), p_cur)
-        if without_replacement:
-            removed = q_k.scatter(1, safe[:, None], 0.0)
-            q_cur = torch.where(rejected, normalise(removed, q_k), q_cur)
+        # Residuals of the rejected rows only: a row that accepted is decided, and a row with no
+        # live candidate keeps its distribution. Each residual is a few passes over a vocabulary
+        # row, so the rows that need none are not touched.
+        rejected = (live & ~accepted).nonzero().squeeze(1)
+        if rejected.numel() == 0:
+            continue
+        p_rej, q_rej = p_cur[rejected], q_k[rejected]
+        if not owned_p:
+            p_cur, owned_p = p_cur.clone(memory_format=torch.contiguous_format), True
+        p_cur[rejected] = normalise((p_rej - q_rej).clamp_min(0), p_rej)
+        if without_replacement and k + 1 < k_max:  # the next candidate's q: this one's token removed
+            removed = q_rej.scatter(1, safe[rejected, None], 0.0)
+            if not owned_q:
+                q_cur, owned_q = q_cur.clone(memory_format=torch.contiguous_format), True
+            q_cur[rejected] = normalise(removed, q_rej)
     rest = undecided.nonzero().squeeze(1)
     if rest.numel():
         p_rest = p_cur[rest]
