@@ -122,8 +122,9 @@ def verify_tree(
         else:
             uniforms = Uniforms(who.numel(), generator=rng)
         # A step without drafts visits every row of p once, in order, at depth 0: no copy of p.
-        p_rows = p if depth == 0 and rows.numel() == p.shape[0] else p[rows]
-        choice = _select_at_nodes(chosen, p_rows, kids, node_tokens, q, uniforms, top_s, ranked, q_index)
+        every = depth == 0 and rows.numel() == p.shape[0]
+        choice = _select_at_nodes(chosen, _Rows(p, None if every else rows), kids, node_tokens, q, uniforms, top_s,
+                                  ranked, q_index)
         accepted = choice.index >= 0
         child = kids.gather(1, choice.index.clamp_min(0)[:, None]).squeeze(1)
         stopped = who[~accepted]
@@ -136,40 +137,58 @@ def verify_tree(
     return _result(path, bonus, node_tokens, layout)
 
 
-def _select_at_nodes(scheme: Scheme, p_rows, kids, node_tokens, q, rng: Uniforms | None, top_s, ranked,
+class _Rows:
+    """Rows ``index`` of p (None: all of p, in order), copied out only for the rows a scheme reads:
+    each row is a vocabulary wide, and a node's rows split into leaves and inner nodes."""
+
+    def __init__(self, p: torch.Tensor, index: torch.Tensor | None):
+        self.p, self.index = p, index
+        self.n = p.shape[0] if index is None else index.numel()
+
+    def all(self) -> torch.Tensor:
+        return self.p if self.index is None else self.p[self.index]
+
+    def some(self, which: torch.Tensor) -> torch.Tensor:
+        return self.p[which if self.index is None else self.index[which]]
+
+
+def _select_at_nodes(scheme: Scheme, p_rows: _Rows, kids, node_tokens, q, rng: Uniforms | None, top_s, ranked,
                      q_index=None) -> Selection:
     """Run the scheme at one node per row; rows without children take argmax p (greedy) or a draw
     from p, the same draw plain sampling makes there. With ``q_index`` (trees mixing drawn and
     copied nodes), the scheme's ``select_mixed`` verifies each row's drawn children, then its copied
     ones."""
-    n = p_rows.shape[0]
-    no_index = torch.full((n,), -1, dtype=torch.long, device=p_rows.device)
+    n, device = p_rows.n, p_rows.p.device
+    no_index = torch.full((n,), -1, dtype=torch.long, device=device)
     greedy = scheme.temperature_zero_only
     if not bool((kids[:, 0] >= 0).any()):
-        token = p_rows.argmax(-1) if greedy else sampling.sample_rows(p_rows, rng, fallback=p_rows)
+        every = p_rows.all()
+        token = every.argmax(-1) if greedy else sampling.sample_rows(every, rng, fallback=every)
         return Selection(token, no_index)
     candidates = torch.where(kids >= 0, node_tokens[kids.clamp_min(0)], -1)
     if not scheme.needs_q:  # greedy and deterministic take leaves as nodes without candidates
-        return scheme.select(p_rows, candidates, None, rng, top_s, ranked)
+        return scheme.select(p_rows.all(), candidates, None, rng, top_s, ranked)
     leaf = kids[:, 0] < 0
-    token = torch.empty(n, dtype=torch.long, device=p_rows.device)
+    token = torch.empty(n, dtype=torch.long, device=device)
     if bool(leaf.any()):
         rows = leaf.nonzero().squeeze(1)
-        token[rows] = sampling.sample_rows(p_rows[rows], rng.rows(rows), fallback=p_rows[rows])
+        p_leaf = p_rows.some(rows)
+        token[rows] = sampling.sample_rows(p_leaf, rng.rows(rows), fallback=p_leaf)
     inner = (~leaf).nonzero().squeeze(1)
     if inner.numel() and q_index is not None:
         inner_kids = kids[inner]
         rows_of_q = torch.where(inner_kids >= 0, q_index[inner_kids.clamp_min(0)], -1)
         copied = (inner_kids >= 0) & (rows_of_q < 0)
+        p_inner = p_rows.some(inner)
         # A row whose first child is copied has only copied ones: its q row is never read.
-        q_rows = q[rows_of_q[:, 0].clamp_min(0)] if q is not None else p_rows[inner]
-        chosen = scheme.select_mixed(p_rows[inner], candidates[inner], q_rows, copied, rng.rows(inner))
+        q_rows = q[rows_of_q[:, 0].clamp_min(0)] if q is not None else p_inner
+        chosen = scheme.select_mixed(p_inner, candidates[inner], q_rows, copied, rng.rows(inner))
         token[inner] = chosen.token
         no_index[inner] = chosen.index
     elif inner.numel():
         inner_kids = kids[inner]
         q_rows = q[inner_kids[:, 0]] if scheme.shared_q else q[inner_kids.clamp_min(0)]
-        chosen = scheme.select(p_rows[inner], candidates[inner], q_rows, rng.rows(inner), top_s, ranked)
+        chosen = scheme.select(p_rows.some(inner), candidates[inner], q_rows, rng.rows(inner), top_s, ranked)
         token[inner] = chosen.token
         no_index[inner] = chosen.index
     return Selection(token, no_index)
