@@ -102,7 +102,61 @@ def verify_tree(
     if chosen.max_width is not None and layout.children.shape[1] > chosen.max_width:
         raise ValueError(f"scheme {chosen.name!r} takes at most {chosen.max_width} child per node; use a multi-draft "
                          f"scheme for branching trees")
-    batch = node_offsets.shape[0] - 1
+    if chosen.name in DIRECT:
+        return _walk_direct(p, node_tokens, layout, rng, greedy=chosen.temperature_zero_only)
+    return _walk(chosen, p, node_tokens, layout, q, rng, top_s, ranked, q_index)
+
+
+DIRECT = ("greedy", "deterministic")
+"""Schemes whose output at a node is a draw from p (or its argmax) looked up among the children:
+walked by ``_walk_direct``."""
+
+
+def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout, rng, greedy: bool) -> TreeVerifyResult:
+    """The tree walk of the greedy and deterministic schemes, the trees in Python lists: at each
+    depth one draw for every walking sample (argmax at temperature 0), with the same random numbers
+    as ``_walk`` takes (the sample's position keys at that depth, or the generator's next draws), then
+    the first child holding the drawn token, if any. Exactly ``_walk``'s result with a handful of
+    tensor operations a depth instead of some forty (the engine's default drafts are copied)."""
+    tokens, children, node_row = node_tokens.tolist(), layout.children.tolist(), layout.node_row.tolist()
+    current, first = layout.root_row.tolist(), layout.first_node.tolist()
+    batch, device = len(current), p.device
+    path: list[list[int]] = [[] for _ in range(batch)]
+    bonus = [-1] * batch
+    walking, depth = list(range(batch)), 0
+    while walking:
+        rows = [current[b] for b in walking]
+        every = depth == 0 and len(rows) == p.shape[0]
+        p_rows = p if every else p[torch.tensor(rows, device=device)]
+        if greedy:
+            drawn = p_rows.argmax(-1).tolist()
+        else:
+            who = torch.tensor(walking)
+            uniforms = rng.at(who, depth) if isinstance(rng, PositionKeys) else Uniforms(len(walking), generator=rng)
+            drawn = sampling.sample_rows(p_rows, uniforms, fallback=p_rows).tolist()
+        still = []
+        for b, row, y in zip(walking, rows, drawn):
+            child = next((c for c in children[row] if c >= 0 and tokens[c] == y), -1)
+            if child < 0:
+                bonus[b] = y
+            else:
+                path[b].append(child)
+                current[b] = node_row[child]
+                still.append(b)
+        walking, depth = still, depth + 1
+    width = layout.depth_max
+    local = [[c - first[b] for c in nodes] for b, nodes in enumerate(path)]
+    padded = torch.tensor([row + [-1] * (width - len(row)) for row in local], dtype=torch.long,
+                          device=device).reshape(batch, width)
+    path_tokens = torch.tensor([[tokens[c] for c in nodes] + [-1] * (width - len(nodes)) for nodes in path],
+                               dtype=torch.long, device=device).reshape(batch, width)
+    return TreeVerifyResult(local, torch.tensor([len(nodes) for nodes in path], dtype=torch.long, device=device),
+                            torch.tensor(bonus, dtype=torch.long, device=device), padded, path_tokens)
+
+
+def _walk(chosen: Scheme, p, node_tokens, layout: TreeLayout, q, rng, top_s, ranked, q_index) -> TreeVerifyResult:
+    """The tree walk of any scheme, with tensor operations over the walking samples at each depth."""
+    batch = layout.root_row.shape[0]
     device = p.device
     current = layout.root_row.clone()
     walking = torch.ones(batch, dtype=torch.bool, device=device)

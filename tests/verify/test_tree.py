@@ -340,3 +340,37 @@ def test_layout_from_parent_lists_equals_the_tensor_layout():
         for name in ("root_row", "node_row", "first_node", "children"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, forest)
         assert got.depth_max == want.depth_max, forest
+
+
+@pytest.mark.parametrize("name", ["deterministic", "greedy"])
+@pytest.mark.parametrize("keyed", [True, False], ids=["position keys", "generator"])
+def test_the_direct_walk_is_the_generic_walk(name, keyed):
+    """``verify_tree`` walks greedy and deterministic trees in Python lists (``_walk_direct``); on
+    random forests over a 5-token vocabulary (so that drawn tokens often match a child and walks go
+    deep), with the engine's position keys or a seeded generator, every field of its result equals
+    the tensor walk's (``_walk``) on the same random numbers. A different draw, child order or path
+    bookkeeping fails here."""
+    from multispec.verify.tree import _walk, _walk_direct, layout_of_trees
+
+    rng = np.random.default_rng(1)
+    scheme = SCHEMES[name]
+    for trial in range(60):
+        forest = []
+        for _ in range(int(rng.integers(1, 6))):
+            size = int(rng.integers(0, 7))
+            forest.append([int(rng.integers(-1, j)) for j in range(size)])
+        count = sum(len(ps) for ps in forest)
+        p = torch.from_numpy(rng.dirichlet(np.ones(5), size=len(forest) + count)).float()
+        tokens = torch.from_numpy(rng.integers(0, 5, size=count)).long()
+        layout = layout_of_trees(forest)
+        if keyed:
+            keys = PositionKeys(rng.integers(0, 2**63, size=len(forest), dtype=np.uint64),
+                                rng.integers(0, 50, size=len(forest)))
+            want_rng, got_rng = keys, keys
+        else:
+            want_rng, got_rng = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        want = _walk(scheme, p, tokens, layout, None, want_rng, 1, None, None)
+        got = _walk_direct(p, tokens, layout, got_rng, greedy=name == "greedy")
+        assert got.accepted_nodes == want.accepted_nodes, (trial, forest)
+        for field in ("num_accepted", "bonus_token", "accepted_path", "accepted_tokens"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (field, trial, forest)
