@@ -179,7 +179,8 @@ def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch
     rows = [tree.q for tree in drafted if tree.q is not None]
     if not rows:
         return None, torch.full((sum(len(tree.tokens) for tree in drafted),), -1, dtype=torch.long, device=device)
-    q = torch.cat(rows).to(device)
+    q = _adjacent(rows)
+    q = (q if q is not None else torch.cat(rows)).to(device)
     if len(rows) == len(drafted) and all(tree.drawn is None for tree in drafted):
         return q, None
     index, base = [], 0
@@ -187,6 +188,25 @@ def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch
         index += [r + base if r >= 0 else -1 for r in tree.q_rows()]
         base += 0 if tree.q is None else tree.q.shape[0]
     return q, torch.tensor(index, dtype=torch.long, device=device)
+
+
+def _adjacent(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows as one tensor without a copy where they lie one after another in one storage (a
+    drafter that fills all its trees' q rows at once and splits them): what ``torch.cat`` would
+    return, a view. None where they do not."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first
+    if first.dim() != 2 or not all(r.is_contiguous() for r in rows):
+        return None
+    storage, size = first.untyped_storage().data_ptr(), first.element_size()
+    end = first.data_ptr() + first.numel() * size
+    for r in rows[1:]:
+        if (r.dtype != first.dtype or r.device != first.device or r.shape[1:] != first.shape[1:]
+                or r.untyped_storage().data_ptr() != storage or r.data_ptr() != end):
+            return None
+        end += r.numel() * size
+    return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), (first.shape[1], 1))
 
 
 def commit(step: Step, logits: torch.Tensor, results: list[Verified], cache: KVCache) -> list[int]:

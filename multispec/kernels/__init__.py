@@ -74,6 +74,12 @@ def decode_layers():
     return _op("decode_layers")
 
 
+def head_layer():
+    """``torch.ops.multispec.head_layer`` (a draft head's layer for one depth, see
+    ``decode_layers.cpp``), or None as above."""
+    return _op("head_layer")
+
+
 def softmax_rows():
     """``torch.ops.multispec.softmax_rows`` (see ``sampling.cpp``), or None as above."""
     return _op("softmax_rows")

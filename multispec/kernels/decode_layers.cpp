@@ -241,6 +241,214 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   }
 }
 
+
+// A draft head's decoder layer for one depth of its tree (multispec/models/draft_head.py), in one
+// call: the head's input product over [target feature, token embedding], the layer's norms,
+// products, rotation and activation as above, and the attention of each drafted node over its
+// path. The head drafts some tens of rows a depth, so its products stream their weights once and
+// cost little; what the Python path adds around them is some sixty small operators a depth
+// (concatenations of the paths' keys, their repetition for the query groups, the mask, the fused
+// attention's fixed cost), each dispatched from Python.
+//
+// The new rows come in groups of ``group`` (the window's pairs of a root, the root's own last;
+// 1 for a drafted depth); the last row of each group is its query and the only row that goes on
+// through the MLP, the others give keys and values. A query's keys are its parent path's
+// (``past_k[parents[g]]``, L of them) followed by its group's own. The first ``window`` keys of a
+// path are its root's window, of which ``window_mask[roots[g]]`` says which exist (empty: all).
+// Returns the queries' output features [Q, H] and their paths' keys and values [Q, L + group, kv, D].
+template <typename scalar_t>
+std::vector<at::Tensor> head_rows(const at::Tensor& features, const at::Tensor& embedding, const at::Tensor& tokens,
+                                  const at::Tensor& fc, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                  const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& gate_up,
+                                  const at::Tensor& down, bool packed, at::TensorList stream, int64_t stream_rows,
+                                  int64_t heads, int64_t kv_heads, double eps, const at::Tensor& cos,
+                                  const at::Tensor& sin, int64_t group, const at::Tensor& past_k,
+                                  const at::Tensor& past_v, const at::Tensor& parents, const at::Tensor& window_mask,
+                                  const at::Tensor& roots, int64_t window, double scale) {
+  const int64_t rows = features.size(0), hidden = features.size(1), queries = rows / group;
+  const int64_t dim = qkv.size(0) / (heads + 2 * kv_heads), past = past_k.size(1);
+  const int64_t length = past + group, groups = heads / kv_heads;
+  auto streamed = [&](size_t kind) { return stream.empty() ? nullptr : &stream[kind]; };
+  const std::optional<at::Tensor> none;
+
+  // The input product's rows: each feature beside its token's embedding.
+  at::Tensor joined = at::empty({rows, 2 * hidden}, features.options());
+  {
+    const scalar_t* fp = features.data_ptr<scalar_t>();
+    const scalar_t* ep = embedding.data_ptr<scalar_t>();
+    const int64_t* tp = tokens.data_ptr<int64_t>();
+    scalar_t* jp = joined.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(jp + r * 2 * hidden, fp + r * hidden, hidden * sizeof(scalar_t));
+      std::memcpy(jp + r * 2 * hidden + hidden, ep + tp[r] * hidden, hidden * sizeof(scalar_t));
+    }
+  }
+  at::Tensor x = product(joined, fc, none, packed, streamed(0), stream_rows);
+  if (!x.is_contiguous()) x = x.contiguous();
+  at::Tensor normed = at::empty_like(x);
+  add_norm<scalar_t>(x, at::Tensor(), input_norm, normed, eps);
+  at::Tensor fused = product(normed, qkv, none, packed, streamed(1), stream_rows).view({rows, heads + 2 * kv_heads, dim});
+  rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
+
+  // Each query's path: its parent's keys and values, then its group's own.
+  at::Tensor keys = at::empty({queries, length, kv_heads, dim}, features.options());
+  at::Tensor values = at::empty({queries, length, kv_heads, dim}, features.options());
+  const int64_t step = kv_heads * dim;  // one position of a path
+  {
+    const scalar_t* pk = past > 0 ? past_k.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pv = past > 0 ? past_v.data_ptr<scalar_t>() : nullptr;
+    const int64_t* parent = past > 0 ? parents.data_ptr<int64_t>() : nullptr;
+    const scalar_t* fp = fused.data_ptr<scalar_t>();
+    const int64_t fs = fused.stride(0);
+    scalar_t* kp = keys.data_ptr<scalar_t>();
+    scalar_t* vp = values.data_ptr<scalar_t>();
+    for (int64_t g = 0; g < queries; ++g) {
+      if (past > 0) {
+        std::memcpy(kp + g * length * step, pk + parent[g] * past * step, past * step * sizeof(scalar_t));
+        std::memcpy(vp + g * length * step, pv + parent[g] * past * step, past * step * sizeof(scalar_t));
+      }
+      for (int64_t t = 0; t < group; ++t) {
+        const scalar_t* row = fp + (g * group + t) * fs;
+        std::memcpy(kp + (g * length + past + t) * step, row + heads * dim, step * sizeof(scalar_t));
+        std::memcpy(vp + (g * length + past + t) * step, row + (heads + kv_heads) * dim, step * sizeof(scalar_t));
+      }
+    }
+  }
+
+  // The queries' attention over their paths, in float32, rounded once at the end.
+  at::Tensor attended = at::empty({queries, heads * dim}, features.options());
+  {
+    const bool masked = window_mask.numel() > 0;
+    const bool* mp = masked ? window_mask.data_ptr<bool>() : nullptr;
+    const int64_t ms = masked ? window_mask.stride(0) : 0;
+    const int64_t* root = masked ? roots.data_ptr<int64_t>() : nullptr;
+    const scalar_t* fp = fused.data_ptr<scalar_t>();
+    const int64_t fs = fused.stride(0);
+    const scalar_t* kp = keys.data_ptr<scalar_t>();
+    const scalar_t* vp = values.data_ptr<scalar_t>();
+    scalar_t* ap = attended.data_ptr<scalar_t>();
+    at::parallel_for(0, queries * heads, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(length + 2 * dim);
+      float* score = buffer.data();
+      float* q = score + length;
+      float* acc = q + dim;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t g = item / heads, h = item % heads, kh = h / groups;
+        const scalar_t* qr = fp + (g * group + group - 1) * fs + h * dim;
+        for (int64_t d = 0; d < dim; ++d) q[d] = widen(qr[d]);
+        float top = -INFINITY;
+        for (int64_t j = 0; j < length; ++j) {
+          if (masked && j < window && !mp[root[g] * ms + j]) {
+            score[j] = -INFINITY;
+            continue;
+          }
+          const scalar_t* k = kp + (g * length + j) * step + kh * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += q[d] * widen(k[d]);
+          score[j] = dot * static_cast<float>(scale);
+          top = std::max(top, score[j]);
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < length; ++j) {
+          score[j] = score[j] == -INFINITY ? 0.0f : exp_nonpositive(score[j] - top);
+          total += score[j];
+        }
+        for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+        for (int64_t j = 0; j < length; ++j) {
+          if (score[j] == 0.0f) continue;
+          const float w = score[j] / total;
+          const scalar_t* v = vp + (g * length + j) * step + kh * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[d] += w * widen(v[d]);
+        }
+        scalar_t* out = ap + g * heads * dim + h * dim;
+        for (int64_t d = 0; d < dim; ++d) out[d] = narrow_to<scalar_t>(acc[d]);
+      }
+    });
+  }
+
+  // The queries' residual rows (the last of each group), then o, the MLP and its residual.
+  at::Tensor residual = group == 1 ? x : x.view({queries, group, hidden}).select(1, group - 1).contiguous();
+  at::Tensor delta = product(attended, o, none, packed, streamed(2), stream_rows);
+  at::Tensor normed_q = at::empty_like(residual);
+  add_norm<scalar_t>(residual, delta, post_norm, normed_q, eps);
+  at::Tensor both = product(normed_q, gate_up, none, packed, streamed(3), stream_rows);
+  at::Tensor activated = at::empty({queries, both.size(1) / 2}, features.options());
+  silu_mul<scalar_t>(both, activated);
+  delta = product(activated, down, none, packed, streamed(4), stream_rows);
+  if (!delta.is_contiguous()) delta = delta.contiguous();
+  {
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* dp = delta.data_ptr<scalar_t>();
+    const int64_t n = queries * hidden;
+    for (int64_t i = 0; i < n; ++i) rp[i] = narrow_to<scalar_t>(widen(rp[i]) + widen(dp[i]));
+  }
+  return {residual, keys, values};
+}
+
+std::vector<at::Tensor> head_layer(const at::Tensor& features, const at::Tensor& embedding, const at::Tensor& tokens,
+                                   const at::Tensor& fc, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                   const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& gate_up,
+                                   const at::Tensor& down, bool packed, at::TensorList stream, int64_t stream_rows,
+                                   int64_t heads, int64_t kv_heads, double eps, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t group, const at::Tensor& past_k,
+                                   const at::Tensor& past_v, const at::Tensor& parents, const at::Tensor& window_mask,
+                                   const at::Tensor& roots, int64_t window, double scale) {
+  const at::ScalarType dtype = features.scalar_type();
+  TORCH_CHECK(features.device().is_cpu() && features.dim() == 2 && features.is_contiguous(),
+              "features must be a contiguous CPU [rows, hidden]");
+  TORCH_CHECK(group >= 1 && features.size(0) % group == 0, "the rows come in whole groups");
+  const int64_t rows = features.size(0), hidden = features.size(1), queries = rows / group;
+  TORCH_CHECK(embedding.scalar_type() == dtype && embedding.is_contiguous() && embedding.dim() == 2 &&
+                  embedding.size(1) == hidden, "the embedding is contiguous [vocabulary, hidden] in the features' dtype");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == rows,
+              "one int64 token per row");
+  TORCH_CHECK(heads % kv_heads == 0 && (stream.empty() || stream.size() == 5),
+              "heads a multiple of kv heads; five streaming layouts or none");
+  for (const at::Tensor& w : {input_norm, post_norm})
+    TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.numel() == hidden,
+                "norm weights are contiguous [hidden] in the features' dtype");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == rows && sin.size(0) == rows &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1 && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "cos and sin are [rows, head_dim] in the features' dtype");
+  TORCH_CHECK(past_k.dim() == 4 && past_k.is_contiguous() && past_v.is_contiguous() &&
+                  past_k.sizes() == past_v.sizes() && past_k.size(2) == kv_heads && cos.size(1) == past_k.size(3) &&
+                  (past_k.size(1) == 0 || past_k.scalar_type() == dtype),
+              "past keys and values are contiguous [paths, length, kv_heads, head_dim]");
+  if (past_k.size(1) > 0) {
+    TORCH_CHECK(parents.scalar_type() == at::kLong && parents.is_contiguous() && parents.numel() == queries,
+                "one int64 parent path per query");
+    const int64_t* p = parents.data_ptr<int64_t>();
+    for (int64_t g = 0; g < queries; ++g)
+      TORCH_CHECK(p[g] >= 0 && p[g] < past_k.size(0), "a parent path out of range");
+  }
+  if (window_mask.numel() > 0) {
+    TORCH_CHECK(window_mask.scalar_type() == at::kBool && window_mask.dim() == 2 && window_mask.stride(1) == 1 &&
+                    window_mask.size(1) >= window && window <= past_k.size(1) + group,
+                "the window mask is bool [roots, window]");
+    TORCH_CHECK(roots.scalar_type() == at::kLong && roots.is_contiguous() && roots.numel() == queries,
+                "one int64 root per query");
+    const int64_t* p = roots.data_ptr<int64_t>();
+    for (int64_t g = 0; g < queries; ++g)
+      TORCH_CHECK(p[g] >= 0 && p[g] < window_mask.size(0), "a root out of range");
+  }
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < embedding.size(0), "a token out of range");
+  switch (dtype) {
+    case at::kFloat:
+      return head_rows<float>(features, embedding, tokens, fc, input_norm, post_norm, qkv, o, gate_up, down, packed,
+                              stream, stream_rows, heads, kv_heads, eps, cos, sin, group, past_k, past_v, parents,
+                              window_mask, roots, window, scale);
+    case at::kBFloat16:
+      return head_rows<c10::BFloat16>(features, embedding, tokens, fc, input_norm, post_norm, qkv, o, gate_up, down,
+                                      packed, stream, stream_rows, heads, kv_heads, eps, cos, sin, group, past_k,
+                                      past_v, parents, window_mask, roots, window, scale);
+    default:
+      TORCH_CHECK(false, "head_layer runs float32 and bfloat16 heads");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
@@ -251,8 +459,18 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor(a!) sample_k, Tensor(b!) sample_v, Tensor prompt_k, Tensor prompt_v, Tensor sample_slot, "
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
         "float scale) -> Tensor");
+  m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
+        "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "
+        "int stream_rows, int heads, int kv_heads, float eps, Tensor cos, Tensor sin, int group, Tensor past_k, "
+        "Tensor past_v, Tensor parents, Tensor window_mask, Tensor roots, int window, float scale) -> Tensor[]");
 }
 
 // Prepacked weights are tensors of the CPU library's own kind: the call dispatches on them too.
-TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_layers", &decode_layers); }
-TORCH_LIBRARY_IMPL(multispec, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(multispec, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("head_layer", &head_layer);
+}
+TORCH_LIBRARY_IMPL(multispec, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("head_layer", &head_layer);
+}

@@ -143,6 +143,26 @@ class WindowAttention:
         return PathAttention(self.keys, self.values, self.mask)
 
 
+class CompiledPath:
+    """The paths of a depth's nodes for the compiled head layer (``DraftHead.step`` on a
+    ``multispec.kernels.head_layer``): the keys and values ``[P, L, kv_heads, D]`` of the paths of
+    the previous call's rows, which of them each node continues (``parents``; None: row i
+    continues path i), the roots' window mask (``[N, C]``, None: every pair exists) and each
+    node's root in it. The kernel gathers each node's parent path as it extends it, so a depth
+    costs no gather here."""
+
+    __slots__ = ("keys", "values", "parents", "mask", "roots")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, parents: torch.Tensor | None,
+                 mask: torch.Tensor | None, roots: torch.Tensor | None):
+        self.keys, self.values, self.parents, self.mask, self.roots = keys, values, parents, mask, roots
+
+    def children(self, parents: torch.Tensor) -> CompiledPath:
+        """The paths of the next depth's nodes, whose parents are the rows ``parents`` of this one."""
+        roots = None if self.mask is None else self.roots[parents]
+        return CompiledPath(self.keys, self.values, parents, self.mask, roots)
+
+
 def _attend_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q ``[N, heads, D]`` of one row per path over its keys ``[N, L, kv_heads, D]`` (GQA)."""
     groups = q.shape[1] // k.shape[2]
@@ -180,6 +200,9 @@ class DraftHead(nn.Module):
         self.packed = False
         self.fc_product: Projection | None = None
         self.output_product: Projection | None = None
+        self._layer_call = None
+        """(op, weights, rope tables) of the compiled layer once looked up (see ``_compiled``);
+        False where the layer runs in Python."""
 
     def attach(self, target: LlamaForCausalLM) -> DraftHead:
         """Share the target's embedding and take its output rows of ``vocab_ids`` (not stored)."""
@@ -206,10 +229,70 @@ class DraftHead(nn.Module):
                     self.rope_sin[positions].to(dtype).expand(rows, -1))
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
+    def _compiled(self):
+        """(op, weights, (cos, sin)) where this head's layer runs as one compiled call a depth
+        (``multispec.kernels.head_layer``): a loaded head (fused products) on the CPU, the target's
+        embedding in the head's dtype, no gradients, the kernels built; else None."""
+        if torch.is_grad_enabled() or self.embedding is None:
+            return None
+        if self._layer_call is None:
+            from multispec import kernels
+
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            dtype = self.fc.weight.dtype
+            op = kernels.head_layer() if (attn.fused and mlp.fused and self.vocab_ids.device.type == "cpu"
+                                          and self.embedding.dtype == dtype and self.embedding.is_contiguous()) else None
+            products = (attn.qkv, attn.o, mlp.gate_up, mlp.down) if op is not None else ()
+            if op is None or any(p.bias is not None for p in products):
+                self._layer_call = False
+                return None
+            fc = self.fc_product
+            streams = [fc.stream if fc is not None else None] + [p.stream for p in products]
+            weights = (fc.weight if fc is not None else self.fc.weight, self.layer.input_layernorm.weight,
+                       self.layer.post_attention_layernorm.weight, *(p.weight for p in products),
+                       bool(self.packed), streams if all(s is not None for s in streams) else [])
+            self._layer_call = (op, weights, (self.rope_cos.to(dtype), self.rope_sin.to(dtype)))
+        return self._layer_call or None
+
+    def _layer_rows(self, call, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    group: int, path: CompiledPath | None, mask: torch.Tensor | None,
+                    roots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from multispec.models.llama import stream_rows
+
+        op, weights, _ = call
+        config = self.config
+        dim = config.hidden_size // config.num_attention_heads
+        dtype = self.fc.weight.dtype
+        features = features.to(dtype).contiguous()
+        if path is None:
+            past_k = past_v = features.new_empty(0, 0, config.num_key_value_heads, dim)
+            parents = tokens.new_empty(0)
+        else:
+            past_k, past_v = path.keys, path.values
+            parents = path.parents if path.parents is not None else torch.arange(
+                features.shape[0] // group, device=features.device)
+        if mask is None:
+            mask, roots, window = features.new_empty(0, 0, dtype=torch.bool), tokens.new_empty(0), 0
+        else:
+            window = mask.shape[1]
+        return op(features, self.embedding, tokens.contiguous(), *weights,
+                  stream_rows(), config.num_attention_heads, config.num_key_value_heads, float(config.rms_norm_eps),
+                  cos, sin, group, past_k, past_v, parents, mask, roots, window, 1.0 / math.sqrt(dim))
+
     def step(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, attention) -> torch.Tensor:
         """Predicted target features after ``tokens`` (each following the feature beside it),
         for nodes at path position ``depth`` (0: the root, with no window before it; see
         ``start``)."""
+        if isinstance(attention, CompiledPath):
+            call = self._compiled()
+            cos, sin = call[2]
+            position = self.config.context - 1 + depth
+            rows = features.shape[0]
+            out, attention.keys, attention.values = self._layer_rows(
+                call, features, tokens, cos[position].expand(rows, -1), sin[position].expand(rows, -1), 1,
+                attention, attention.mask, attention.roots)
+            attention.parents = None
+            return out
         x = self._inputs(features, tokens)
         cos, sin = self._rope(self.config.context - 1 + depth, x.shape[0], x.dtype)
         return self.layer(x, cos, sin, attention)
@@ -225,6 +308,15 @@ class DraftHead(nn.Module):
             raise ValueError(f"a window of {c} pairs is longer than the head's context {self.config.context}")
         if mask is not None and bool(mask.all()):
             mask = None  # checked once here, not at every depth that extends the paths
+        call = self._compiled()
+        if call is not None:
+            cos, sin = call[2]
+            first = self.config.context - c
+            roots = None if mask is None else torch.arange(n, device=tokens.device)
+            out, keys, values = self._layer_rows(
+                call, features.reshape(n * c, -1), tokens.reshape(-1), cos[first:first + c].repeat(n, 1),
+                sin[first:first + c].repeat(n, 1), c, None, mask, roots)
+            return out, CompiledPath(keys, values, None, None if mask is None else mask.contiguous(), roots)
         layer = self.layer
         x = self._inputs(features.reshape(n * c, -1), tokens.reshape(-1))
         positions = torch.arange(self.config.context - c, self.config.context, device=x.device).repeat(n)

@@ -501,6 +501,57 @@ def test_a_loaded_head_drafts_the_same_packed_or_plain(llm, dtype, monkeypatch):
         assert torch.equal(saved[name], value), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_head_layer_is_the_python_layer(llm, dtype):
+    """The head's layer as one compiled call a depth (the roots' windows, some padded on the left,
+    then drafted depths whose nodes continue chosen parents, several children to one parent and
+    parents out of order) gives the Python layer's features: equal within float32's rounding, within
+    bf16's (the attention sums in another order) in bf16. It would fail if the kernel ignored the
+    window mask (shown: the mask moves the features far more than the tolerance) or read a node's
+    own row instead of its parent's path."""
+    from multispec import kernels
+    from multispec.models import DEFAULT_MODEL, paired_draft_head
+    from multispec.models.draft_head import CompiledPath, PathAttention
+
+    if kernels.head_layer() is None:
+        pytest.skip("the compiled kernels cannot be built here")
+    head = DraftHead.load(paired_draft_head(DEFAULT_MODEL), dtype).attach(llm.model)
+    head.embedding = head.embedding.to(dtype)  # the compiled layer reads the target's embedding in the head's dtype
+    gen = torch.Generator().manual_seed(3)
+    n, c = 6, head.config.context - 2
+    features = torch.randn(n, c, llm.config.hidden_size, generator=gen).to(dtype) * 4
+    tokens = torch.randint(0, llm.config.vocab_size, (n, c), generator=gen)
+    mask = torch.ones(n, c, dtype=torch.bool)
+    mask[1, :3] = False
+    mask[4, :c - 1] = False
+    parents = [torch.tensor([0, 0, 1, 2, 3, 4, 5, 5, 5]), torch.tensor([8, 0, 3, 2, 4])]
+
+    def run(compiled: bool, mask):
+        head._layer_call = None if compiled else False
+        with torch.inference_mode():
+            state, path = head.start(features, tokens, mask)
+            assert isinstance(path, CompiledPath if compiled else PathAttention)
+            out = [state]
+            for depth, rows in enumerate(parents, 1):
+                path = path.children(rows)
+                state = head.step(state[rows], head.vocab_ids[rows * 7 + depth], depth, path)
+                out.append(state)
+        head._layer_call = None
+        return [x.float() for x in out]
+
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    error = 0.0
+    for m in (None, mask):
+        for fast, slow in zip(run(True, m), run(False, m)):
+            assert fast.shape == slow.shape
+            assert torch.allclose(fast, slow, **tolerance), (fast - slow).abs().max()
+            error = max(error, float((fast - slow).norm() / slow.norm()))
+    masked, whole = run(False, mask), run(False, None)
+    for root in (1, 4):
+        moved = float((masked[0][root] - whole[0][root]).norm() / whole[0][root].norm())
+        assert moved > 10 * max(error, 1e-4), (moved, error)
+
+
 def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setup):
     """Two requests in flight share their lane's head calls: one forward per depth per step, not
     one per request."""

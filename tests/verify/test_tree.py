@@ -322,6 +322,29 @@ def test_a_mixed_call_without_any_drawn_node_is_the_deterministic_walk():
     assert int(plain.num_accepted.sum()) > 0
 
 
+def test_packed_q_takes_rows_split_from_one_tensor_without_a_copy():
+    """A drafter that fills all its trees' q rows at once and splits them hands the verifier one
+    view of that tensor; rows that do not lie one after another (another tensor, another order, a
+    gap) are concatenated as before. Either way the packed rows are those of the trees in order."""
+    from multispec.drafters import DraftTree
+    from multispec.engine.step import packed_q
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.rand(6, 11, generator=g)
+    parts = full.split([2, 3, 1])
+    trees = [DraftTree([1] * len(q), [-1] + list(range(len(q) - 1)), q) for q in parts]
+    q, q_index = packed_q(trees, "cpu")
+    assert q_index is None and torch.equal(q, full) and q.data_ptr() == full.data_ptr()
+    arrangements = ([trees[1], trees[0], trees[2]],  # another order
+                    [trees[0], trees[2]],  # a gap
+                    [trees[0], DraftTree([5], [-1], torch.rand(1, 11, generator=g))])  # another tensor
+    for chosen in arrangements:
+        q, _ = packed_q(chosen, "cpu")
+        assert torch.equal(q, torch.cat([t.q for t in chosen]))
+        q.zero_()  # a copy: the trees' rows are untouched
+    assert torch.equal(torch.cat(parts), full) and bool((full > 0).all())
+
+
 def test_layout_from_parent_lists_equals_the_tensor_layout():
     """The engine's layout built from Python lists (``layout_of_trees``) is field for field the one
     ``verify_tree`` derives from the packed tensors, on random forests with empty trees, chains,
