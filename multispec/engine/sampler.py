@@ -39,21 +39,18 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor, truncated: bool | None = None,
-                         greedy: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         top_p: torch.Tensor, truncated: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``target_probs`` and, where the compiled CPU softmax computes it alongside (rows without
     top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits; None
-    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly.
-    ``truncated`` (some row has top-k or top-p) and ``greedy`` (some row has temperature 0): where
-    the caller knows them, the parameter tensors are not searched for them."""
+    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly (and makes
+    greedy rows one-hot itself). ``truncated`` (some row has top-k or top-p): where the caller
+    knows it, the parameter tensors are not searched for it."""
     op = _compiled_softmax(logits)
     if truncated is None:
         truncated = bool((top_k > 0).any()) or bool((top_p < 1).any())
     if op is None or truncated:
         return target_probs(logits, temperature, top_k, top_p), None
     probs, lse = op(logits.contiguous(), temperature.to(torch.float32).contiguous())
-    if greedy is None or greedy:
-        _one_hot_greedy(probs, logits, temperature <= 0)
     return probs, lse
 
 
@@ -69,4 +66,6 @@ def _one_hot_greedy(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Ten
     """Greedy rows (temperature 0) become one-hot at their argmax, in place."""
     if bool(greedy.any()):
         rows = greedy.nonzero().squeeze(1)
-        probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).to(probs.dtype)
+        top = logits[rows].argmax(-1, keepdim=True)
+        probs[rows] = torch.zeros(rows.numel(), probs.shape[-1], dtype=probs.dtype, device=probs.device).scatter_(
+            1, top, 1.0)

@@ -111,9 +111,8 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
-    greedy = any(r.params.temperature <= 0 for r in requests)
     probs, step.logsumexp = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
-                                                 truncated=truncated, greedy=greedy)
+                                                 truncated=truncated)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):
         groups.setdefault(sample.request.scheme, []).append(b)

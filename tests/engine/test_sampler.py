@@ -61,6 +61,25 @@ def test_compiled_softmax_matches_torch_with_the_raw_logsumexp(dtype):
     assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
 
 
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_greedy_rows_are_one_hot_at_the_first_maximum(dtype):
+    """Greedy rows of the compiled softmax: one-hot where torch's argmax points, the first of tied
+    maxima included (bf16 logits tie often), the last token included, beside sampled rows."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 49152, generator=gen).to(dtype)
+    logits[0, [9000, 200, 31000]] = 12.0  # a three-way tie: the first index wins
+    logits[2, -1] = 30.0
+    logits[3, 0] = 30.0
+    temperature = torch.tensor([0.0, 0.8, 0.0, 0.0, 0.0])
+    probs, lse = target_probs_and_lse(logits, temperature, rows(5, 0, torch.long), rows(5, 1.0))
+    want = target_probs(logits, temperature, rows(5, 0, torch.long), rows(5, 1.0))
+    assert torch.equal(probs[[0, 2, 3, 4]], want[[0, 2, 3, 4]])
+    assert probs[0, 200] == 1 and probs[2, -1] == 1 and probs[3, 0] == 1
+    assert torch.equal(probs.argmax(-1)[[0, 2, 3, 4]], logits.argmax(-1)[[0, 2, 3, 4]])
+    assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
+
+
 def test_rows_with_top_k_or_top_p_take_the_reference_path():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
     probs, lse = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
