@@ -4,7 +4,7 @@ Operators for the decode step, in one library: the attention over the two-level 
 (``decode_attention.cpp``; the generic fused attention pays a fixed cost per (sample, kv head)
 matrix and per call that dominates small decode steps on a CPU), the whole layer stack around it
 (``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one by
-one), the step's target distribution from its logits and the draws from it (``sampling.cpp``;
+one; the same file holds a draft head's layer for one depth of its tree), the step's target distribution from its logits and the draws from it (``sampling.cpp``;
 four passes over a [rows, vocabulary] matrix and some fifteen small operators in the Python path)
 and the matrix products of a step's rows on AMX tiles or AVX512-BF16 vectors (``stream_gemm.cpp``;
 bound by reading the weights, which the CPU library's product does at about half the machine's

@@ -23,6 +23,11 @@ distribution) that predicts the chance the child is accepted given the node is. 
 below a threshold; deciding a node's descendants from the node and its distribution never
 changes the law of the node itself, so verification stays exact.
 
+A loaded head drafts with its layer as one compiled call a depth where the CPU kernels are built
+(``multispec.kernels.head_layer``: the input product, norms, products, rotation, activation and
+each node's attention over its parent's path, gathered in the kernel); training and any other
+device run the Python layer, which the compiled one equals within rounding.
+
 Both are stored in one safetensors file with their shapes and the target they were trained for
 in its metadata.
 """
