@@ -39,19 +39,19 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor, truncated: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``target_probs`` and, where the compiled CPU softmax computes it alongside (rows without
-    top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits; None
-    elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16 directly (and makes
-    greedy rows one-hot itself). ``truncated`` (some row has top-k or top-p): where the caller
-    knows it, the parameter tensors are not searched for it."""
+                         top_p: torch.Tensor, truncated: bool | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``target_probs`` and, where the compiled CPU softmax computes them alongside (rows without
+    top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits and
+    the index of each greedy row's one (-1 for the other rows); None and None elsewhere. ``logits``
+    may be in the model's dtype: the kernel reads bf16 directly. ``truncated`` (some row has top-k
+    or top-p): where the caller knows it, the parameter tensors are not searched for it."""
     op = _compiled_softmax(logits)
     if truncated is None:
         truncated = bool((top_k > 0).any()) or bool((top_p < 1).any())
     if op is None or truncated:
-        return target_probs(logits, temperature, top_k, top_p), None
-    probs, lse = op(logits.contiguous(), temperature.to(torch.float32).contiguous())
-    return probs, lse
+        return target_probs(logits, temperature, top_k, top_p), None, None
+    return op(logits.contiguous(), temperature.to(torch.float32).contiguous())
 
 
 def _compiled_softmax(logits: torch.Tensor):

@@ -111,8 +111,8 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
-    probs, step.logsumexp = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
-                                                 truncated=truncated)
+    probs, step.logsumexp, greedy_tokens = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
+                                                                truncated=truncated)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):
         groups.setdefault(sample.request.scheme, []).append(b)
@@ -126,7 +126,7 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         # there, argmax for greedy, else p sampled with the sample's key at its position (what
         # ``verify_tree`` does at depth 0), so the tree machinery is skipped.
         if list(groups) == ["greedy"]:
-            bonus = probs.argmax(-1).tolist()
+            bonus = (greedy_tokens if greedy_tokens is not None else probs.argmax(-1)).tolist()
         else:
             keys = position_keys(samples)
             bonus = sample_rows(probs, keys.at(torch.arange(len(samples)), 0), fallback=probs).tolist()
@@ -145,9 +145,11 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
                                     device=device)
         q, q_index = packed_q(chosen, device)
         # The engine builds these tensors itself, so the input checks are skipped here.
+        # Every row greedy (one scheme for the step): the softmax gave each row's token already.
+        argmax = greedy_tokens if scheme == "greedy" and len(members) == len(samples) else None
         out = verify_tree(member_probs, node_tokens, node_parents, node_offsets, q=q, scheme=scheme,
                           rng=position_keys([samples[b] for b in members]), validate=False, q_index=q_index,
-                          layout=layout_of_trees([tree.parents for tree in chosen], device))
+                          layout=layout_of_trees([tree.parents for tree in chosen], device), p_argmax=argmax)
         for k, b in enumerate(members):
             paths[b] = out.accepted_nodes[k]
         for b, token in zip(members, out.bonus_token.tolist()):

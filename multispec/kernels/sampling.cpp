@@ -6,9 +6,10 @@
 // float32, the division by the temperature, the softmax, and a log-softmax for the log-probabilities
 // of the appended tokens); at 128 rows of a 49k vocabulary they cost about a fifth of a step. Here
 // each row is read three times while it sits in the core's cache, in parallel over rows.
-// Temperatures <= 0 (greedy rows) become one-hot at the row's first maximum (torch's argmax): the
-// Python path builds that from an argmax over the row, a one-hot int64 matrix and two copies, about
-// 4 ms for the 32 rows of a verification of 8 samples here.
+// Temperatures <= 0 (greedy rows) become one-hot at the row's first maximum (torch's argmax), whose
+// index is returned too (-1 for the other rows): the Python path builds that from an argmax over the
+// row, a one-hot int64 matrix and two copies, about 4 ms for the 32 rows of a verification of 8
+// samples here, and the greedy walk then took the argmax of the one-hot rows again.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,11 +31,13 @@ using multispec_kernels::exp_nonpositive;
 using multispec_kernels::widen;
 
 template <typename scalar_t>
-void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor& probs, at::Tensor& lse) {
+void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor& probs, at::Tensor& lse,
+                  at::Tensor& top_index) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const scalar_t* lp = logits.data_ptr<scalar_t>();
   float* pp = probs.data_ptr<float>();
   float* ep = lse.data_ptr<float>();
+  int64_t* tp = top_index.data_ptr<int64_t>();
   multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> row(vocab);
     float* x = row.data();
@@ -58,8 +61,10 @@ void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor
         while (first < vocab - 1 && !(x[first] == top)) ++first;
         out[first] = 1.0f;
         ep[r] = top + std::log(raw);
+        tp[r] = first;
         continue;
       }
+      tp[r] = -1;
       const float t = temperature[r];
       if (t == 1.0f) {
 #pragma omp simd reduction(+ : raw)
@@ -88,7 +93,7 @@ void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& logits, const at::Tensor& temperature) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_rows(const at::Tensor& logits, const at::Tensor& temperature) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
               "logits must be a contiguous CPU [rows, vocabulary]");
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.dim() == 1 &&
@@ -96,18 +101,19 @@ std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& logits, const 
               "temperature must be a contiguous float32 vector with one entry per row");
   auto probs = at::empty({logits.size(0), logits.size(1)}, logits.options().dtype(at::kFloat));
   auto lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  auto top = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   const float* t = temperature.data_ptr<float>();
   switch (logits.scalar_type()) {
     case at::kFloat:
-      rows_softmax<float>(logits, t, probs, lse);
+      rows_softmax<float>(logits, t, probs, lse, top);
       break;
     case at::kBFloat16:
-      rows_softmax<c10::BFloat16>(logits, t, probs, lse);
+      rows_softmax<c10::BFloat16>(logits, t, probs, lse, top);
       break;
     default:
       TORCH_CHECK(false, "softmax_rows takes float32 or bfloat16 logits");
   }
-  return {probs, lse};
+  return {probs, lse, top};
 }
 
 // One index per uniform from rows of non-negative weights, by the two-level inverse-CDF search of
@@ -195,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
-  m.def("softmax_rows(Tensor logits, Tensor temperature) -> (Tensor probs, Tensor lse)");
+  m.def("softmax_rows(Tensor logits, Tensor temperature) -> (Tensor probs, Tensor lse, Tensor top)");
   m.def("sample_rows(Tensor weights, Tensor u) -> (Tensor index, Tensor empty)");
 }
 

@@ -69,6 +69,7 @@ def verify_tree(
     ranked: int | None = DEFAULT_RANKED,
     q_index: torch.Tensor | None = None,
     layout: "TreeLayout | None" = None,
+    p_argmax: torch.Tensor | None = None,
 ) -> TreeVerifyResult:
     """Accepted path and bonus token for every sample of a packed batch of draft trees.
 
@@ -87,6 +88,8 @@ def verify_tree(
 
     ``layout``: the trees' ``TreeLayout`` where the caller has it (``layout_of_trees`` builds it
     from the parent lists without a pass of tensor operations); else derived from the tensors.
+    ``p_argmax`` [B + M]: each row's argmax where the caller has it (the engine's softmax gives it
+    for greedy rows); the greedy scheme then reads no row of p.
     """
     if scheme == "auto":
         chosen = SCHEMES["without_replacement" if q_index is not None else "deterministic" if q is None
@@ -103,7 +106,8 @@ def verify_tree(
         raise ValueError(f"scheme {chosen.name!r} takes at most {chosen.max_width} child per node; use a multi-draft "
                          f"scheme for branching trees")
     if chosen.name in DIRECT:
-        return _walk_direct(p, node_tokens, layout, rng, greedy=chosen.temperature_zero_only)
+        return _walk_direct(p, node_tokens, layout, rng, greedy=chosen.temperature_zero_only,
+                            argmax=p_argmax if chosen.temperature_zero_only else None)
     return _walk(chosen, p, node_tokens, layout, q, rng, top_s, ranked, q_index)
 
 
@@ -112,7 +116,8 @@ DIRECT = ("greedy", "deterministic")
 walked by ``_walk_direct``."""
 
 
-def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout, rng, greedy: bool) -> TreeVerifyResult:
+def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout, rng, greedy: bool,
+                 argmax: torch.Tensor | None = None) -> TreeVerifyResult:
     """The tree walk of the greedy and deterministic schemes, the trees in Python lists: at each
     depth one draw for every walking sample (argmax at temperature 0), with the same random numbers
     as ``_walk`` takes (the sample's position keys at that depth, or the generator's next draws), then
@@ -124,16 +129,21 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     path: list[list[int]] = [[] for _ in range(batch)]
     bonus = [-1] * batch
     walking, depth = list(range(batch)), 0
+    tops = argmax.tolist() if argmax is not None else None
     while walking:
         rows = [current[b] for b in walking]
-        every = depth == 0 and len(rows) == p.shape[0]
-        p_rows = p if every else p[torch.tensor(rows, device=device)]
-        if greedy:
-            drawn = p_rows.argmax(-1).tolist()
+        if tops is not None:  # greedy, the rows' argmax given
+            drawn = [tops[r] for r in rows]
         else:
-            who = torch.tensor(walking)
-            uniforms = rng.at(who, depth) if isinstance(rng, PositionKeys) else Uniforms(len(walking), generator=rng)
-            drawn = sampling.sample_rows(p_rows, uniforms, fallback=p_rows).tolist()
+            every = depth == 0 and len(rows) == p.shape[0]
+            p_rows = p if every else p[torch.tensor(rows, device=device)]
+            if greedy:
+                drawn = p_rows.argmax(-1).tolist()
+            else:
+                who = torch.tensor(walking)
+                uniforms = rng.at(who, depth) if isinstance(rng, PositionKeys) else Uniforms(len(walking),
+                                                                                             generator=rng)
+                drawn = sampling.sample_rows(p_rows, uniforms, fallback=p_rows).tolist()
         still = []
         for b, row, y in zip(walking, rows, drawn):
             child = next((c for c in children[row] if c >= 0 and tokens[c] == y), -1)

@@ -53,7 +53,7 @@ def test_compiled_softmax_matches_torch_with_the_raw_logsumexp(dtype):
     logits = (torch.randn(6, 49152, generator=gen) * 4).to(dtype)
     logits[1, 7] = float("-inf")
     temperature = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.2, 1.0])
-    probs, lse = target_probs_and_lse(logits, temperature, rows(6, 0, torch.long), rows(6, 1.0))
+    probs, lse, top = target_probs_and_lse(logits, temperature, rows(6, 0, torch.long), rows(6, 1.0))
     assert lse is not None
     want = target_probs(logits, temperature, rows(6, 0, torch.long), rows(6, 1.0))
     assert torch.allclose(probs, want, rtol=5e-5, atol=1e-9)
@@ -72,17 +72,18 @@ def test_compiled_greedy_rows_are_one_hot_at_the_first_maximum(dtype):
     logits[2, -1] = 30.0
     logits[3, 0] = 30.0
     temperature = torch.tensor([0.0, 0.8, 0.0, 0.0, 0.0])
-    probs, lse = target_probs_and_lse(logits, temperature, rows(5, 0, torch.long), rows(5, 1.0))
+    probs, lse, top = target_probs_and_lse(logits, temperature, rows(5, 0, torch.long), rows(5, 1.0))
     want = target_probs(logits, temperature, rows(5, 0, torch.long), rows(5, 1.0))
     assert torch.equal(probs[[0, 2, 3, 4]], want[[0, 2, 3, 4]])
     assert probs[0, 200] == 1 and probs[2, -1] == 1 and probs[3, 0] == 1
     assert torch.equal(probs.argmax(-1)[[0, 2, 3, 4]], logits.argmax(-1)[[0, 2, 3, 4]])
+    assert top.tolist() == [200, -1, 49151, 0, int(logits[4].argmax())]  # greedy rows' tokens, -1 elsewhere
     assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
 
 
 def test_rows_with_top_k_or_top_p_take_the_reference_path():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
-    probs, lse = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
-    assert lse is None and (probs[0] > 0).sum() == 5
-    probs, lse = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
+    probs, lse, top = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
+    assert lse is None and top is None and (probs[0] > 0).sum() == 5
+    probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
     assert lse is None
