@@ -345,6 +345,43 @@ def test_packed_q_takes_rows_split_from_one_tensor_without_a_copy():
     assert torch.equal(torch.cat(parts), full) and bool((full > 0).all())
 
 
+@pytest.mark.parametrize("name", ["without_replacement", "specinfer"])
+def test_the_chain_walk_is_the_generic_walk(name):
+    """Chains of drawn nodes (the draft head's candidates one wide) are walked in Python lists
+    (``_walk_chains``) when the draws are keyed, as the engine's are; on random chain forests over a
+    6-token vocabulary, with q near p so that walks go deep and residuals are drawn, every field
+    of its result equals the tensor walk's with recursive rejection (``_walk``) on the same keys. A
+    wrong acceptance test, residual or draw fails here; ``verify_tree`` takes the list walk."""
+    from multispec.verify.tree import _walk, _walk_chains, layout_of_trees
+
+    rng = np.random.default_rng(4)
+    scheme = SCHEMES[name]
+    depths, residuals = 0, 0
+    for trial in range(60):
+        forest = [[j - 1 for j in range(int(rng.integers(0, 6)))] for _ in range(int(rng.integers(1, 6)))]
+        count = sum(len(ps) for ps in forest)
+        p = torch.from_numpy(rng.dirichlet(np.ones(6), size=len(forest) + count)).float()
+        q = 0.7 * p[torch.from_numpy(rng.integers(0, len(forest) + count, size=count))] + 0.3 * torch.from_numpy(
+            rng.dirichlet(np.ones(6), size=count)).float()
+        tokens = torch.from_numpy(np.array([rng.choice(6, p=row / row.sum()) for row in q.double().numpy()],
+                                           dtype=np.int64).reshape(count))
+        layout = layout_of_trees(forest)
+        keys = PositionKeys(rng.integers(0, 2**63, size=len(forest), dtype=np.uint64),
+                            rng.integers(0, 50, size=len(forest)))
+        want = _walk(scheme, p, tokens, layout, q, keys, 1, None, None)
+        got = _walk_chains(p, tokens, layout, q, keys)
+        offsets = torch.tensor(np.cumsum([0] + [len(ps) for ps in forest]))
+        parents = torch.tensor([x for ps in forest for x in ps], dtype=torch.long)
+        public = verify_tree(p, tokens, parents, offsets, q, scheme=name, rng=keys, layout=layout)
+        for result in (got, public):
+            assert result.accepted_nodes == want.accepted_nodes, (trial, forest)
+            for field in ("num_accepted", "bonus_token", "accepted_path", "accepted_tokens"):
+                assert torch.equal(getattr(result, field), getattr(want, field)), (field, trial, forest)
+        depths += int(want.num_accepted.sum())
+        residuals += sum(len(nodes) < len(ps) for nodes, ps in zip(want.accepted_nodes, forest))
+    assert depths > 100 and residuals > 50  # both outcomes exercised many times
+
+
 def test_layout_from_parent_lists_equals_the_tensor_layout():
     """The engine's layout built from Python lists (``layout_of_trees``) is field for field the one
     ``verify_tree`` derives from the packed tensors, on random forests with empty trees, chains,
