@@ -236,8 +236,8 @@ class DraftHead(nn.Module):
 
     def _compiled(self):
         """(op, weights, (cos, sin)) where this head's layer runs as one compiled call a depth
-        (``multispec.kernels.head_layer``): a loaded head (fused products) on the CPU, the target's
-        embedding in the head's dtype, no gradients, the kernels built; else None."""
+        (``multispec.kernels.head_layer``): a loaded head (fused products) in float32 or bf16 on the
+        CPU, the target's embedding in the head's dtype, no gradients, the kernels built; else None."""
         if torch.is_grad_enabled() or self.embedding is None:
             return None
         if self._layer_call is None:
@@ -246,6 +246,7 @@ class DraftHead(nn.Module):
             attn, mlp = self.layer.self_attn, self.layer.mlp
             dtype = self.fc.weight.dtype
             op = kernels.head_layer() if (attn.fused and mlp.fused and self.vocab_ids.device.type == "cpu"
+                                          and dtype in (torch.float32, torch.bfloat16)
                                           and self.embedding.dtype == dtype and self.embedding.is_contiguous()) else None
             products = (attn.qkv, attn.o, mlp.gate_up, mlp.down) if op is not None else ()
             if op is None or any(p.bias is not None for p in products):

@@ -550,6 +550,12 @@ def test_the_compiled_head_layer_is_the_python_layer(llm, dtype):
     for root in (1, 4):
         moved = float((masked[0][root] - whole[0][root]).norm() / whole[0][root].norm())
         assert moved > 10 * max(error, 1e-4), (moved, error)
+    # A dtype the kernel does not run (float16) keeps the Python layer.
+    half = DraftHead.load(paired_draft_head(DEFAULT_MODEL), torch.float16).attach(llm.model)
+    half.embedding = half.embedding.to(torch.float16)
+    with torch.inference_mode():
+        assert half._compiled() is None
+        assert isinstance(half.start(features[:1].half(), tokens[:1])[1], PathAttention)
 
 
 def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setup):
