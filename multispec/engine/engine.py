@@ -98,6 +98,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}
         self._step_costs: StepCosts | None = None
+        self._model_seconds = 0.0
+        """Seconds the lanes' draft models spent in the current step's drafting (see ``_draft``)."""
         self._prices: Prices | None = None
         self.stats = RunStats()
         """Running totals since the engine was built."""
@@ -388,9 +390,12 @@ class LLMEngine:
         t4 = time.perf_counter()
         tokens = int(step.token_ids.numel())
         if self._prices is not None:
+            # The draft models' own seconds are priced apart (each lane's cost per depth, or the
+            # seconds a scored tree's model spent), so the live correction of what drafting adds to
+            # a step leaves them out: counted in both, a draft model was charged twice.
             drafting = sum(1 for tree in trees if tree.tokens)
-            self._prices.record(t4 - t0, tokens, len(slots), 1 + max(len(tree.tokens) for tree in trees), context,
-                                drafting)
+            self._prices.record(t4 - t0 - self._model_seconds, tokens, len(slots),
+                                1 + max(len(tree.tokens) for tree in trees), context, drafting)
         for lane, members in lanes.items():
             lane.record([trees[b] for b in members], [results[b].path for b in members])
         stats = self.stats
@@ -420,6 +425,7 @@ class LLMEngine:
         """Every sample's draft tree, lane by lane; a request whose drafter raises gets no draft
         and fails (see ``_fail``)."""
         trees = [DraftTree.EMPTY] * len(slots)
+        self._model_seconds = 0.0
         for lane, members in self._lanes_of(slots).items():
             samples = [slots[b] for b in members]
             budgets = lane.budgets(samples, len(slots), context)
@@ -435,6 +441,7 @@ class LLMEngine:
             if model_time is not None:
                 spent = lane.drafter.model_time - model_time
                 self.stats.time_draft_model += spent
+                self._model_seconds += spent
                 self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
                 lane.observe_drafting(spent, lane.drafter.model_forwards - model_forwards)
             for b, tree in zip(members, lane.select(proposed, len(slots), context, spent)):

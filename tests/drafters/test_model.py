@@ -558,6 +558,44 @@ def test_the_compiled_head_layer_is_the_python_layer(llm, dtype):
         assert isinstance(half.start(features[:1].half(), tokens[:1])[1], PathAttention)
 
 
+def test_the_live_step_prices_leave_the_draft_models_seconds_to_its_own_price(setup, monkeypatch):
+    """The budget prices a draft model's forwards apart (its measured seconds a depth), so the
+    live correction of what drafting adds to a step must not see them again: every drafting step
+    the engine records is its wall time less the seconds the head spent. A head slowed by 30 ms a
+    step shows it (recorded at least 30 ms below the step's wall time)."""
+    import time as clock
+
+    from multispec.engine.costs import Prices
+
+    llm, head, prompt, _ = setup
+    slow = ModelDrafter._draft
+
+    def slowed(self, *args):
+        clock.sleep(0.03)
+        return slow(self, *args)
+
+    recorded, walls = [], []
+    record = Prices.record
+
+    def spy(self, seconds, tokens, batch, qmax, context, drafting):
+        recorded.append((seconds, qmax))
+        return record(self, seconds, tokens, batch, qmax, context, drafting)
+
+    monkeypatch.setattr(ModelDrafter, "_draft", slowed)
+    monkeypatch.setattr(Prices, "record", spy)
+    llm.engine.step_observers.append(lambda report: walls.append(
+        report.time_draft + report.time_forward + report.time_verify + report.time_commit))
+    try:
+        llm.generate([prompt], SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True, seed=1),
+                     SpecConfig(drafter="model", draft_model=str(head), max_draft_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.step_observers.clear()
+    drafted = [(seconds, wall) for (seconds, qmax), wall in zip(recorded, walls) if qmax > 1]
+    assert drafted, "no drafting step to check"
+    for seconds, wall in drafted:
+        assert seconds <= wall - 0.03 + 1e-6
+
+
 def test_the_head_drafts_for_every_request_of_a_lane_in_one_forward_a_depth(setup):
     """Two requests in flight share their lane's head calls: one forward per depth per step, not
     one per request."""
