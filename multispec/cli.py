@@ -133,6 +133,10 @@ def cmd_gsm8k(args) -> int:
     conversations = [p.chat() for p in problems]
     baseline = None
     if args.baseline and spec.drafter != "none":
+        if spec.adaptive:
+            # The draft budget's step prices, measured once per machine and model: measured before
+            # either timed run, so that neither carries the measurement or what it leaves behind.
+            llm.engine.step_costs()
         llm.chat(conversations, params, SpecConfig(drafter="none"))
         baseline = llm.last_stats
     outputs = llm.chat(conversations, params, spec)

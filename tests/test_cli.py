@@ -35,6 +35,22 @@ def test_gsm8k_job_votes_and_reports_speed():
     assert "tokens/s" in result.stdout and "speedup" in result.stdout and "tau" in result.stdout
 
 
+def test_gsm8k_baseline_measures_the_step_prices_before_either_timed_run(monkeypatch):
+    """The main job's speedup compares two timed runs; the draft budget's one-time measurement of
+    step prices (on a fresh cache) happens before both, not inside or between them."""
+    from multispec import LLM, cli
+    from multispec.engine.engine import LLMEngine
+
+    events = []
+    measure, chat = LLMEngine.step_costs, LLM.chat
+    monkeypatch.setattr(LLMEngine, "step_costs",
+                        lambda self, refresh=False: events.append("prices") or measure(self, refresh))
+    monkeypatch.setattr(LLM, "chat", lambda self, *a, **k: events.append("chat") or chat(self, *a, **k))
+    assert cli.main(["gsm8k", "--questions", "1", "--n", "2", "--max-tokens", "4", "--drafter", "consensus",
+                     "--baseline"]) == 0
+    assert events[0] == "prices" and events.count("chat") == 2
+
+
 def test_unreadable_prompts_file_is_one_line_error(tmp_path):
     result = run_cli("generate", "--prompts-file", str(tmp_path / "nope.txt"))
     assert result.returncode == 2 and "nope.txt" in result.stderr and "Traceback" not in result.stderr
