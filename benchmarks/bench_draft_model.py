@@ -11,7 +11,7 @@ batched, at temperature 0.7 and 1.0. Rows:
   what the head itself achieves;
 - model-w2-decision: as model-w2 with the head's decision model stopping chains (the ablation of
   the decision model against fixed depth);
-- model-auto: SpecConfig(drafter="model", num_candidates=2): decision model and the adaptive draft
+- model-auto: SpecConfig(drafter="model"): one candidate, the decision model and the adaptive draft
   budget, the setting a user gets by asking for the draft model;
 - consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
   and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
@@ -70,7 +70,7 @@ def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
             "model-w4": SpecConfig(num_candidates=4, **fixed),
             "model-w2-decision": SpecConfig(drafter="model", draft_model=head, max_draft_tokens=depth,
                                             num_candidates=2, adaptive=False),
-            "model-auto": SpecConfig(drafter="model", draft_model=head, max_draft_tokens=depth, num_candidates=2),
+            "model-auto": SpecConfig(drafter="model", draft_model=head, max_draft_tokens=depth),
             "consensus-fixed": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=2 * depth,
                                           adaptive=False),
             "hybrid-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,

@@ -276,12 +276,21 @@ class DraftBudget:
     def choose(self, batch: int, context: int, others: int = 0, per_depth: float = 0.0) -> int:
         """Draft tokens per sample for ``batch`` samples (sampled drafts) in a step that also holds
         ``others`` samples without drafts. ``per_depth``: seconds the drafter itself spends per
-        draft depth (a draft model's forward for the whole batch), paid on top of the step."""
+        draft depth (a draft model's forward for the whole batch), paid on top of the step.
+
+        A length of 0 draws nothing, so it teaches the budget nothing either: the acceptance and
+        the draft model's price it chose 0 on would stay as they were for good (a first step that
+        accepted little, or a draft model's first forward, which pays its warm-up, was enough to
+        stop a draft model for a whole run). So after ``IDLE_STEPS`` steps of 0 in a row, the
+        probe steps of ``wants_drafts`` draft the length that promises most even where it does
+        not clear ``MARGIN``, and what they accept and cost is measured again."""
         if self.max_depth == 0:
             return 0
         seconds = self.costs.seconds
         total = batch + others
-        best, best_rate = 0, MARGIN * total / seconds(total, total, 1, context)
+        plain = total / seconds(total, total, 1, context)
+        best, best_rate = 0, MARGIN * plain
+        probe, probe_rate = 1, 0.0
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
             nodes = self.width * length
@@ -289,4 +298,11 @@ class DraftBudget:
             rate = gained / step
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
-        return best
+            if rate > probe_rate * 1.02:
+                probe, probe_rate = length, rate
+        if best:
+            self.idle = 0
+            return best
+        due = self.idle >= IDLE_STEPS and _probe_due(self.idle - IDLE_STEPS)
+        self.idle += 1
+        return probe if due else 0

@@ -10,6 +10,8 @@ machine and model (``multispec.engine.costs``) and shared by every lane.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Callable
 
 from multispec.drafters import DraftTree, make_drafter
@@ -23,6 +25,8 @@ from multispec.verify import DraftLaw
 GROW_SLACK = 0.5
 """A hybrid lane's head extends a node while its calibrated chance is at least this fraction of the
 lowest chance the budget kept last step (the cut moves a little from step to step)."""
+DEPTH_WINDOW = 8
+"""Recent steps whose draft model's price per depth the lane's budget weighs (their median)."""
 
 
 def lane_key(spec: SpecConfig, request_params) -> tuple:
@@ -61,16 +65,28 @@ class Lane:
         self.warned = False
         """Whether the engine has warned that this lane's drafter raised for a whole step's
         samples but for no request alone (``Engine._propose``)."""
-        self.depth_seconds = 0.0
+        self._depth_costs: deque[float] = deque(maxlen=DEPTH_WINDOW)
+        self._first_cost: float | None = None
+
+    @property
+    def depth_seconds(self) -> float:
         """What one draft depth of the drafter's own model has cost lately (seconds for the lane's
-        samples of a step; 0 until measured, and for drafters without a model)."""
+        samples of a step; 0 until measured, and for drafters without a model): the median of the
+        last ``DEPTH_WINDOW`` steps that ran it. The first such step in a lane pays the model's
+        warm-up (its first draft here cost about twice the next ones) and counts only until a second
+        one is measured."""
+        if self._depth_costs:
+            return statistics.median(self._depth_costs)
+        return self._first_cost or 0.0
 
     def observe_drafting(self, seconds: float, depths: int) -> None:
         """The drafter's model spent ``seconds`` on ``depths`` forwards this step: the budget
-        weighs the next steps' depths against that price (a moving average of the last few)."""
+        weighs the next steps' depths against that price."""
         if depths > 0:
-            latest = seconds / depths
-            self.depth_seconds = latest if self.depth_seconds == 0.0 else 0.75 * self.depth_seconds + 0.25 * latest
+            if self._first_cost is None:
+                self._first_cost = seconds / depths
+            else:
+                self._depth_costs.append(seconds / depths)
 
     def budgets(self, samples: list[Sample], batch: int, context: int) -> list[int]:
         """Draft nodes each sample may get this step (all 0: no drafts). ``batch``: samples in the

@@ -67,6 +67,22 @@ def test_a_draft_models_own_forwards_shorten_the_draft():
     assert budget.choose(16, CONTEXT, per_depth=0.1) == 0
 
 
+def test_sampled_drafts_probe_after_a_run_of_steps_without_drafts():
+    """A length of 0 measures nothing, so a budget that chose 0 on one unlucky estimate would keep
+    choosing it: after IDLE_STEPS steps of 0 it drafts, on the widening probe steps, the length that
+    promises most, and once what those drafts accept pays again it drafts every step. Without the
+    probes the first loop below never drafts and the second never recovers."""
+    budget = DraftBudget(4, costs(fixed=0.1, per_token=0.0001))
+    budget.record_acceptance([0] + [1000] * 4, [0] + [10] * 4)  # 1% accepted: nothing pays
+    lengths = [budget.choose(16, CONTEXT) for _ in range(IDLE_STEPS + 3 * PROBE_EVERY + 1)]
+    probes = [i for i, length in enumerate(lengths) if length]
+    assert probes == [IDLE_STEPS + PROBE_EVERY - 1, IDLE_STEPS + 3 * PROBE_EVERY - 1]
+    assert all(lengths[i] >= 1 for i in probes)
+    budget.record_acceptance([0] + [10000] * 4, [0] + [9000] * 4)  # what a probe shows: drafts pay now
+    assert budget.choose(16, CONTEXT) >= 1 and budget.idle == 0
+    assert budget.choose(16, CONTEXT) >= 1
+
+
 def test_expected_accepted_is_the_chain_sum():
     budget = trained(0.1, 0.001, accept=0.5)
     assert abs(budget.expected_accepted(3) - (0.5 + 0.25 + 0.125)) < 0.01
@@ -254,8 +270,9 @@ def test_a_hybrid_model_that_does_not_repay_itself_stops_while_the_free_drafts_g
 
 
 def test_a_lane_prices_its_draft_models_depths_from_what_they_cost():
-    """What the drafter's model spent per depth (a moving average) shortens the sampled drafts the
-    lane's budget asks for; a step in which the model did not run leaves the price alone."""
+    """What the drafter's model spent per depth (the median of recent steps, its first step's
+    warm-up left out once another is measured) shortens the sampled drafts the lane's budget asks
+    for; a step in which the model did not run leaves the price alone."""
     from types import SimpleNamespace
 
     from multispec.engine.lane import Lane
@@ -265,11 +282,14 @@ def test_a_lane_prices_its_draft_models_depths_from_what_they_cost():
     lane.budget.record_acceptance([0] + [1000] * 6, [0] + [600] * 6)
     samples = [SimpleNamespace(remaining=100)] * 16
     free = lane.budgets(samples, 16, CONTEXT)
-    lane.observe_drafting(0.05, 5)
+    lane.observe_drafting(0.5, 5)  # the first draft: the model's warm-up in it
     lane.observe_drafting(0.0, 0)
+    assert lane.depth_seconds == pytest.approx(0.1)
+    lane.observe_drafting(0.05, 5)  # a second one replaces it
     assert lane.depth_seconds == pytest.approx(0.01)
     lane.observe_drafting(0.15, 5)
-    assert lane.depth_seconds == pytest.approx(0.75 * 0.01 + 0.25 * 0.03)
+    lane.observe_drafting(0.05, 5)
+    assert lane.depth_seconds == pytest.approx(0.01)  # the median of what followed the first
     dear = lane.budgets(samples, 16, CONTEXT)
     assert 0 < dear[0] < free[0]
 
