@@ -49,6 +49,9 @@ class HybridDrafter:
         """Whether ``propose`` runs the head: the adaptive budget turns it off while the head's own
         nodes do not repay its forwards (``DraftBudget.wants_model``), and the sibling drafts then
         go on alone."""
+        self.model_depth: int | None = None
+        """How deep the head's chains may go this step (None: as deep as the sibling text leaves
+        room for); the adaptive budget sets it from the head's own acceptance and price per depth."""
 
     @classmethod
     def create(cls, *, max_depth: int, max_nodes: int, num_candidates: int = 1, **options) -> HybridDrafter:
@@ -102,12 +105,13 @@ class HybridDrafter:
         sibling = self.consensus.propose(sample_ids, budgets)
         if not self.use_model:
             return sibling
+        width = max(1, self.model.width)
+        deepest = self.model.max_depth if self.model_depth is None else min(self.model_depth, self.model.max_depth)
         if not self.sampled:
-            head = self.model.propose(sample_ids, budgets)
+            head = self.model.propose(sample_ids, [min(b, width * deepest) for b in budgets])
             return [merge(a, b, budget) for a, b, budget in zip(sibling, head, budgets)]
         # Drawn head nodes stay whole, so the head's share is fixed before it draws.
-        width = max(1, self.model.width)
-        shares = [width * _head_depth(a, b, width, self.model.max_depth) for a, b in zip(sibling, budgets)]
+        shares = [width * _head_depth(a, b, width, deepest) for a, b in zip(sibling, budgets)]
         head = self.model.propose(sample_ids, shares, uniforms)
         return [merge(a, b, budget) for a, b, budget in zip(sibling, head, budgets)]
 

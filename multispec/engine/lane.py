@@ -60,8 +60,19 @@ class Lane:
         depth = spec.max_draft_tokens if spec.speculates and spec.adaptive else 0
         if depth and prices is None:
             raise ValueError("an adaptive draft budget needs the engine's step prices")
-        self.budget = DraftBudget(depth, prices() if depth else None, max_evidence=spec.max_ngram,
+        priced = prices() if depth else None
+        self.budget = DraftBudget(depth, priced, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram), width=self.width)
+        self.head_budget = DraftBudget(depth, priced, width=spec.num_candidates) if (
+            depth and hasattr(self.drafter, "use_model") and spec.sampled_drafts) else None
+        """A hybrid's drawn head alone, priced as sampled drafts are (``DraftBudget.choose``): how
+        deep its chains may go this step, from what its own (drawn) nodes were accepted at each
+        depth and what a depth of it costs. Without it the head grew every chain as deep as its
+        nodes looked likelier than the sibling text, and its forwards (4.6-10 ms a step with 4
+        samples in flight at temperature 1.0) cost more than the nodes gained. A copied hybrid's
+        head nodes cannot be told apart where the sibling text holds the same token (the merged
+        node is one), so their acceptance per depth would be measured low; there the budget's cut
+        (``limit``) bounds the chains."""
         self.warned = False
         """Whether the engine has warned that this lane's drafter raised for a whole step's
         samples but for no request alone (``Engine._propose``)."""
@@ -110,7 +121,11 @@ class Lane:
             cutoff = self.budget.cutoff
             self.drafter.limit(self.budget.chance_table(0), 0.0 if cutoff is None else GROW_SLACK * cutoff)
             if hasattr(self.drafter, "use_model"):  # its model runs while its own nodes repay it
-                self.drafter.use_model = self.budget.wants_model()
+                depth = None
+                if self.head_budget is not None:
+                    depth = self.head_budget.choose(len(samples), context, extra, self.depth_seconds)
+                self.drafter.model_depth = depth
+                self.drafter.use_model = depth != 0 and self.budget.wants_model()
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - batch)
@@ -144,25 +159,35 @@ class Lane:
             self.budget.record_acceptance(*_acceptance_by_depth(trees, paths, self.budget.max_depth))
         else:
             self.budget.record_nodes(trees, paths)
+            if self.head_budget is not None:
+                self.head_budget.record_acceptance(*_acceptance_by_depth(trees, paths, self.head_budget.max_depth,
+                                                                         heads=True))
 
     def add(self, request: Request) -> None:
         self.drafter.add_group(request.prompt_slot, request.prompt_ids, [s.sample_id for s in request.samples])
 
 
-def _acceptance_by_depth(trees: list[DraftTree], paths: list[list[int]], max_depth: int) -> tuple[list[int], list[int]]:
+def _acceptance_by_depth(trees: list[DraftTree], paths: list[list[int]], max_depth: int,
+                         heads: bool = False) -> tuple[list[int], list[int]]:
     """Per depth d: how many samples reached d - 1 with a draft child to try at d, and how many
-    accepted it (the statistics the draft budget learns from)."""
+    accepted it (the statistics the draft budget learns from). ``heads``: only the drawn nodes
+    count (a hybrid's head's): a depth is tried where the node reached has a drawn child, kept
+    where the accepted child is one."""
     tried = [0] * (max_depth + 1)
     kept = [0] * (max_depth + 1)
     for tree, path in zip(trees, paths):
         if not tree.tokens:
             continue
+        head = tree.is_drawn() if heads else None
         node = -1
         for depth in range(1, max_depth + 1):
-            if node not in tree.parents:
+            children = [i for i, parent in enumerate(tree.parents) if parent == node]
+            if head is not None:
+                children = [i for i in children if head[i]]
+            if not children:
                 break
             tried[depth] += 1
-            if depth > len(path):
+            if depth > len(path) or (head is not None and not head[path[depth - 1]]):
                 break
             kept[depth] += 1
             node = path[depth - 1]

@@ -445,13 +445,20 @@ def test_hybrid_with_drawn_candidates_refuses_the_rules_that_need_every_q():
             SpecConfig(drafter="hybrid", sampled_drafts=True, scheme=scheme)
 
 
-def test_hybrid_with_drawn_candidates_keeps_the_three_token_law_under_the_budget(setup):
+def test_hybrid_with_drawn_candidates_keeps_the_three_token_law_under_the_budget(setup, monkeypatch):
     """The adaptive budget cuts the hybrid's copied nodes by their calibrated chance but must keep
     the drawn ones whole: chi-square of 10,000 samples' first three tokens against their exact
     law, with the budget on (cells: sequences of probability >= 0.4%, plus the rest). Power >= 0.9
     at alpha 1e-3 against a sampler that moves 3% of the mass from the likeliest sequence to the
-    second."""
+    second. The step is priced as on a machine where a forward's extra rows cost little (on this
+    CPU a step of 2,500 samples is compute-bound and the budget would keep the head off), so that
+    the head drafts and the budget cuts around its drawn nodes."""
+    from multispec.engine.costs import Prices
+    from tests.engine.test_costs import law_costs
+
     llm, head, prompt, _ = setup
+    cheap = Prices(law_costs(lambda tokens: 1.0 + 1e-5 * tokens))
+    monkeypatch.setattr(llm.engine, "prices", lambda: cheap)
     cells = exact_cells(llm, prompt, 1.0, 3, threshold=0.004)
     keys = sorted(cells, key=cells.get, reverse=True)
     expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]

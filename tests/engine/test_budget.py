@@ -4,6 +4,7 @@ The budgets here price steps with ``StepCosts`` fitted to the timings a cost law
 calibration's own shapes, so every test also runs the fit the engine uses."""
 
 import pytest
+import torch
 
 from multispec.drafters.base import DraftTree
 from multispec.engine.budget import (IDLE_STEPS, MARGIN, MAX_WEIGHT, PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, Calibration,
@@ -311,3 +312,50 @@ def test_drawn_nodes_are_kept_whatever_they_promise():
     kept = cheap.select([mixed] * 8, CONTEXT)
     assert all(tree.tokens == [10, 11, 12] for tree in kept)
     assert cheap.cutoff == pytest.approx(cheap.calibrated(0.3, 3) * cheap.calibrated(0.8, 2))
+
+
+def test_a_hybrid_lane_counts_its_heads_acceptance_per_depth_apart():
+    """Only the head's drawn nodes count for the head's own price per depth: a depth is tried
+    where the node reached has a drawn child, kept where the accepted child is drawn."""
+    from multispec.engine.lane import _acceptance_by_depth
+
+    q = torch.full((2, 8), 1 / 8)
+    # Root children: head node 0 (drawn) with head child 1; a sibling node 2 (copied) with child 3.
+    tree = DraftTree([5, 6, 7, 1], [-1, 0, -1, 2], q, [0.5, 0.5, 0.9, 0.9], [0, 0, 3, 2], [True, True, False, False])
+    tried, kept = _acceptance_by_depth([tree, tree, tree], [[0, 1], [2, 3], []], 3, heads=True)
+    assert tried == [0, 3, 1, 0] and kept == [0, 1, 1, 0]
+    tried, kept = _acceptance_by_depth([tree, tree, tree], [[0, 1], [2, 3], []], 3)
+    assert tried == [0, 3, 2, 0] and kept == [0, 2, 2, 0]
+
+
+def test_a_hybrid_lane_sizes_its_heads_chains_by_their_price():
+    """The head's chains go as deep as its own acceptance and price per depth say pays: full depth
+    where its forwards are free and it is accepted often, shallower as a depth costs more, and not
+    at all (the head off, the sibling drafts alone) where nothing it drafts would pay."""
+    from types import SimpleNamespace
+
+    from multispec.engine.lane import Lane
+    from multispec.params import SpecConfig
+
+    class Stub:
+        alternatives, min_alternative, sampled = 0, 0.0, False
+        use_model, model_depth = True, None
+
+        def limit(self, chances, floor):
+            pass
+
+    lane = Lane(SpecConfig(drafter="consensus", max_draft_tokens=4), 400, lambda: costs(fixed=0.1, per_token=0.0001))
+    lane.drafter = Stub()
+    lane.head_budget = DraftBudget(4, costs(fixed=0.1, per_token=0.0001))
+    lane.head_budget.record_acceptance([0] + [1000] * 4, [0] + [700] * 4)
+    samples = [SimpleNamespace(remaining=100)] * 4
+    lane.budgets(samples, 4, CONTEXT)
+    assert lane.drafter.model_depth == 4 and lane.drafter.use_model
+    lane.observe_drafting(0.2, 4)  # the first draft (its warm-up) counts until a second one
+    lane.observe_drafting(0.02, 1)  # 20 ms a depth: a fifth of a step
+    lane.budgets(samples, 4, CONTEXT)
+    assert 0 < lane.drafter.model_depth < 4 and lane.drafter.use_model
+    lane.observe_drafting(0.5, 1)
+    lane.observe_drafting(0.5, 1)  # half a second a depth: nothing the head drafts pays
+    lane.budgets(samples, 4, CONTEXT)
+    assert lane.drafter.model_depth == 0 and not lane.drafter.use_model
