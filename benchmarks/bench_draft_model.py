@@ -16,7 +16,7 @@ batched, at temperature 0.7 and 1.0. Rows:
 - consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
   and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
   nodes every step: the hybrid against its parts;
-- hybrid: SpecConfig(drafter="hybrid", num_candidates=2) with the adaptive budget;
+- hybrid: SpecConfig(drafter="hybrid") (one candidate) with the adaptive budget;
 - hybrid-drawn-fixed, hybrid-drawn: the same with ``sampled_drafts=True``: the head's candidates
   drawn from its q (recursive rejection verifies them), the sibling text copied after them;
   hybrid-drawn-wide: as hybrid-drawn-fixed with 3 x depth nodes, room for the head's whole tree
@@ -75,15 +75,14 @@ def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
                                           adaptive=False),
             "hybrid-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
                                        adaptive=False, decision_threshold=0.0),
-            "hybrid": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2),
+            "hybrid": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth),
             "hybrid-drawn-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
                                              num_candidates=2, adaptive=False, decision_threshold=0.0,
                                              sampled_drafts=True),
             "hybrid-drawn-wide": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
                                             max_draft_nodes=3 * depth, num_candidates=2, adaptive=False,
                                             decision_threshold=0.0, sampled_drafts=True),
-            "hybrid-drawn": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
-                                       sampled_drafts=True),
+            "hybrid-drawn": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, sampled_drafts=True),
             **({} if checkpoint is None else {
                 f"lm-w{w}": SpecConfig(drafter="model", draft_model=checkpoint, num_candidates=w,
                                        max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)

@@ -121,11 +121,13 @@ class Lane:
             cutoff = self.budget.cutoff
             self.drafter.limit(self.budget.chance_table(0), 0.0 if cutoff is None else GROW_SLACK * cutoff)
             if hasattr(self.drafter, "use_model"):  # its model runs while its own nodes repay it
-                depth = None
+                depth, probe = None, False
                 if self.head_budget is not None:
                     depth = self.head_budget.choose(len(samples), context, extra, self.depth_seconds)
+                    # Its own probe steps run the head whatever the step's budget says.
+                    probe = depth > 0 and self.head_budget.idle > 0
                 self.drafter.model_depth = depth
-                self.drafter.use_model = depth != 0 and self.budget.wants_model()
+                self.drafter.use_model = depth != 0 and (probe or self.budget.wants_model())
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - batch)

@@ -359,3 +359,12 @@ def test_a_hybrid_lane_sizes_its_heads_chains_by_their_price():
     lane.observe_drafting(0.5, 1)  # half a second a depth: nothing the head drafts pays
     lane.budgets(samples, 4, CONTEXT)
     assert lane.drafter.model_depth == 0 and not lane.drafter.use_model
+    # Its own probes run the head even while the step's budget has it idle (the two schedules
+    # would rarely meet): the probe steps of a run of steps that kept the head off.
+    lane.budget.model_idle = 1000  # not a probe step of wants_model
+    assert not lane.budget.wants_model()
+    ran = []
+    for _ in range(IDLE_STEPS + PROBE_EVERY):
+        lane.budgets(samples, 4, CONTEXT)
+        ran.append(lane.drafter.use_model)
+    assert ran.count(True) == 1
