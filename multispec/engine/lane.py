@@ -108,26 +108,29 @@ class Lane:
             return none
         nodes = spec.max_draft_nodes
         extra = batch - len(samples)
+        head = None
+        if spec.adaptive and self.head_budget is not None:
+            # A drawn hybrid's head: its depth this step, priced on its own (0: it sits out).
+            head = self.head_budget.choose(len(samples), context, extra, self.depth_seconds)
         if spec.adaptive and self.sampled:
             length = self.budget.choose(len(samples), context, extra, self.depth_seconds)
             if length == 0:
                 return none
             nodes = min(nodes, length * self.width) if length < spec.max_draft_tokens else nodes
-        elif spec.adaptive and not self.budget.wants_drafts():
+        elif spec.adaptive and not head and not self.budget.wants_drafts():
             return none
         elif spec.adaptive and hasattr(self.drafter, "limit"):
             # A drafter that grows its own trees (the hybrid's head) stops a chain where its
             # calibrated chance falls well below what the budget kept last step.
             cutoff = self.budget.cutoff
             self.drafter.limit(self.budget.chance_table(0), 0.0 if cutoff is None else GROW_SLACK * cutoff)
-            if hasattr(self.drafter, "use_model"):  # its model runs while its own nodes repay it
-                depth, probe = None, False
-                if self.head_budget is not None:
-                    depth = self.head_budget.choose(len(samples), context, extra, self.depth_seconds)
-                    # Its own probe steps run the head whatever the step's budget says.
-                    probe = depth > 0 and self.head_budget.idle > 0
-                self.drafter.model_depth = depth
-                self.drafter.use_model = depth != 0 and (probe or self.budget.wants_model())
+            if hasattr(self.drafter, "use_model"):
+                # A drawn head runs where its own budget says it pays. A copied head's nodes are
+                # judged inside the step's ranking (``wants_model``): its calibrated chances are
+                # those of copied tokens, which drawn ones are not (a drawn node is accepted with
+                # the overlap of q and the target's p, whatever q gave the token drawn).
+                self.drafter.model_depth = head
+                self.drafter.use_model = bool(head) if head is not None else self.budget.wants_model()
         budgets = [max(0, min(nodes, s.remaining - 1)) for s in samples]
         if spec.max_batch_tokens is not None:
             spare = max(0, spec.max_batch_tokens - batch)
