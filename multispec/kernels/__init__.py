@@ -4,16 +4,17 @@ Operators for the decode step, in one library: the attention over the two-level 
 (``decode_attention.cpp``; the generic fused attention pays a fixed cost per (sample, kv head)
 matrix and per call that dominates small decode steps on a CPU), the whole layer stack around it
 (``decode_layers.cpp``; the thirty small operators a layer that the Python path dispatches one by
-one; the same file holds a draft head's layer for one depth of its tree), the step's target distribution from its logits and the draws from it (``sampling.cpp``;
-four passes over a [rows, vocabulary] matrix and some fifteen small operators in the Python path)
-and the matrix products of a step's rows on AMX tiles or AVX512-BF16 vectors (``stream_gemm.cpp``;
-bound by reading the weights, which the CPU library's product does at about half the machine's
-bandwidth). Their parallel loops share one work split (``common.h``, tested through
-``schedule.cpp``): each thread starts on its own share and a thread that runs out takes items from
-another's. They are compiled once per machine, torch version and source (about 20 seconds on a
-2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with
-``-O3 -march=native``. Where they cannot be built (no compiler, no
-ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
+one; the same file holds a draft head's layer for one depth of its tree), the step's target
+distribution from its logits and the draws from it (``sampling.cpp``; four passes over a [rows,
+vocabulary] matrix and some fifteen small operators in the Python path) and the matrix products of
+a step's rows on AMX tiles or AVX512-BF16 vectors (``stream_gemm.cpp``; bound by reading the
+weights, which the CPU library's product does at about half the machine's bandwidth). Their
+parallel loops share one work split (``common.h``, tested through ``schedule.cpp``): each thread
+starts on its own share and a thread that runs out takes items from another's. They are compiled
+once per machine, torch version and source (about 20 seconds on a 2-core CPU) into the cache
+directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with ``-O3 -march=native``. Where
+they cannot be built (no compiler, no ninja) the engine keeps its portable path and says so once;
+``MULTISPEC_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations

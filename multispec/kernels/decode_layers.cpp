@@ -435,15 +435,16 @@ std::vector<at::Tensor> head_layer(const at::Tensor& features, const at::Tensor&
   }
   const int64_t* tp = tokens.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < embedding.size(0), "a token out of range");
+  auto run = [&](auto element) {
+    return head_rows<decltype(element)>(features, embedding, tokens, fc, input_norm, post_norm, qkv, o, gate_up, down,
+                                        packed, stream, stream_rows, heads, kv_heads, eps, cos, sin, group, past_k,
+                                        past_v, parents, window_mask, roots, window, scale);
+  };
   switch (dtype) {
     case at::kFloat:
-      return head_rows<float>(features, embedding, tokens, fc, input_norm, post_norm, qkv, o, gate_up, down, packed,
-                              stream, stream_rows, heads, kv_heads, eps, cos, sin, group, past_k, past_v, parents,
-                              window_mask, roots, window, scale);
+      return run(float{});
     case at::kBFloat16:
-      return head_rows<c10::BFloat16>(features, embedding, tokens, fc, input_norm, post_norm, qkv, o, gate_up, down,
-                                      packed, stream, stream_rows, heads, kv_heads, eps, cos, sin, group, past_k,
-                                      past_v, parents, window_mask, roots, window, scale);
+      return run(c10::BFloat16{});
     default:
       TORCH_CHECK(false, "head_layer runs float32 and bfloat16 heads");
   }
