@@ -108,9 +108,13 @@ def verify_tree(
     if chosen.name in DIRECT:
         return _walk_direct(p, node_tokens, layout, rng, greedy=chosen.temperature_zero_only,
                             argmax=p_argmax if chosen.temperature_zero_only else None)
-    if (chosen.name in CHAINED and q is not None and q_index is None and layout.children.shape[1] == 1
-            and isinstance(rng, PositionKeys)):
-        return _walk_chains(p, node_tokens, layout, q, rng)
+    if chosen.name in CHAINED and isinstance(rng, PositionKeys):
+        if q is not None and q_index is None and layout.children.shape[1] == 1:
+            return _walk_chains(p, node_tokens, layout, q, rng)
+        if q_index is not None and chosen.select_mixed is not None:
+            walked = _walk_chains(p, node_tokens, layout, q, rng, q_index)
+            if walked is not None:
+                return walked
     return _walk(chosen, p, node_tokens, layout, q, rng, top_s, ranked, q_index)
 
 
@@ -178,52 +182,80 @@ CHAINED = ("without_replacement", "specinfer")
 node one child at most, every node with its q) is walked by ``_walk_chains``."""
 
 
-def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout, q: torch.Tensor,
-                 rng: PositionKeys) -> TreeVerifyResult:
+def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout, q: torch.Tensor | None,
+                 rng: PositionKeys, q_index: torch.Tensor | None = None) -> TreeVerifyResult | None:
     """The walk of recursive rejection over chains of drawn nodes (the draft head's candidates one
-    wide), the trees in Python lists: at each depth, every walking sample's child x is accepted with
-    probability min(1, p(x) / q(x)), else the sample's next token is drawn from norm((p - q)+); a
-    sample at a leaf draws from p. The same tensors and the same keyed random numbers as ``_walk``
-    with ``recursive_rejection``, so the same result (a test checks it field for field), with a
-    dozen tensor operations a depth instead of some seventy."""
-    tokens, children, node_row = node_tokens.tolist(), layout.children[:, 0].tolist(), layout.node_row.tolist()
-    current, first = layout.root_row.tolist(), layout.first_node.tolist()
+    wide), the trees in Python lists: at each depth, every walking sample's drawn child x is
+    accepted with probability min(1, p(x) / q(x)), else the sample's next token is drawn from
+    norm((p - q)+); a sample at a leaf draws from p. The same tensors and the same keyed random
+    numbers as ``_walk`` with ``recursive_rejection``, so the same result (a test checks it field
+    for field), with a dozen tensor operations a depth instead of some seventy.
+
+    With ``q_index`` (the drawn hybrid's trees: each node's q row, -1 for copied text) a node may
+    also have copied children after its drawn one: the token drawn where the drawn child was
+    rejected (or from p where the node has no drawn child) is looked up among them, the
+    deterministic rule on the residual, as ``recursive_rejection`` verifies copied candidates.
+    None where some node has more than one drawn child (``_walk`` verifies those trees)."""
+    tokens, node_row = node_tokens.tolist(), layout.node_row.tolist()
+    first = layout.first_node.tolist()
+    if q_index is None:
+        drawn_kid = layout.children[:, 0].tolist()
+        copied_kids: list[list[int]] = [[] for _ in drawn_kid]
+        q_row = list(range(len(tokens)))
+    else:
+        q_row = q_index.tolist()
+        drawn_kid, copied_kids = [], []
+        for kids in layout.children.tolist():
+            drawn = [c for c in kids if c >= 0 and q_row[c] >= 0]
+            if len(drawn) > 1:
+                return None
+            drawn_kid.append(drawn[0] if drawn else -1)
+            copied_kids.append([c for c in kids if c >= 0 and q_row[c] < 0])
+    current = layout.root_row.tolist()
     batch, device = len(current), p.device
     path: list[list[int]] = [[] for _ in range(batch)]
     bonus = [-1] * batch
     walking, depth = list(range(batch)), 0
     while walking:
         rows = [current[b] for b in walking]
-        kids = [children[row] for row in rows]
         uniforms = rng.at(torch.tensor(walking), depth)
         still = []
-        leaves = [j for j, kid in enumerate(kids) if kid < 0]
-        if leaves:
-            p_leaf = p[torch.tensor([rows[j] for j in leaves], device=device)]
-            drawn = sampling.sample_rows(p_leaf, uniforms.rows(torch.tensor(leaves)), fallback=p_leaf).tolist()
-            for j, y in zip(leaves, drawn):
-                bonus[walking[j]] = y
-        inner = [j for j, kid in enumerate(kids) if kid >= 0]
+        drawn_at: list[tuple[int, int]] = []  # (j, token drawn) of samples whose next token was drawn
+        from_p = [j for j, row in enumerate(rows) if drawn_kid[row] < 0]
+        if from_p:  # a leaf, or only copied children: a draw from p
+            p_rows = p[torch.tensor([rows[j] for j in from_p], device=device)]
+            drawn_at += zip(from_p, sampling.sample_rows(p_rows, uniforms.rows(torch.tensor(from_p)),
+                                                         fallback=p_rows).tolist())
+        inner = [j for j, row in enumerate(rows) if drawn_kid[row] >= 0]
         if inner:
+            kids = [drawn_kid[rows[j]] for j in inner]
             row_t = torch.tensor([rows[j] for j in inner], device=device)
-            kid_t = torch.tensor([kids[j] for j in inner], device=device)
-            token_t = torch.tensor([tokens[kids[j]] for j in inner], device=device)
+            q_t = torch.tensor([q_row[kid] for kid in kids], device=device)
+            token_t = torch.tensor([tokens[kid] for kid in kids], device=device)
             tested = uniforms.rows(torch.tensor(inner))
-            accepted = (tested.draw(sampling.TEST, 0, p) * q[kid_t, token_t] < p[row_t, token_t]).tolist()
+            accepted = (tested.draw(sampling.TEST, 0, p) * q[q_t, token_t] < p[row_t, token_t]).tolist()
             rejected = [i for i, a in enumerate(accepted) if not a]
             for i, a in enumerate(accepted):
                 if a:
-                    b, kid = walking[inner[i]], kids[inner[i]]
+                    b, kid = walking[inner[i]], kids[i]
                     path[b].append(kid)
                     current[b] = node_row[kid]
                     still.append(b)
             if rejected:
                 which = torch.tensor(rejected, device=device)
-                p_rej, q_rej = p[row_t[which]], q[kid_t[which]]
+                p_rej, q_rej = p[row_t[which]], q[q_t[which]]
                 residual = normalise((p_rej - q_rej).clamp_min(0), p_rej)
-                drawn = sampling.sample_rows(residual, tested.rows(which), fallback=residual).tolist()
-                for i, y in zip(rejected, drawn):
-                    bonus[walking[inner[i]]] = y
+                drawn_at += zip([inner[i] for i in rejected],
+                                sampling.sample_rows(residual, tested.rows(which), fallback=residual).tolist())
+        for j, y in drawn_at:
+            b = walking[j]
+            kid = next((c for c in copied_kids[rows[j]] if tokens[c] == y), -1)
+            if kid < 0:
+                bonus[b] = y
+            else:
+                path[b].append(kid)
+                current[b] = node_row[kid]
+                still.append(b)
         walking, depth = sorted(still), depth + 1
     return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
 
@@ -398,6 +430,8 @@ def _result(path, bonus, node_tokens, layout) -> TreeVerifyResult:
 
 def _check_copied_after_drawn(layout: TreeLayout, q_index: torch.Tensor) -> None:
     kids = layout.children
+    if q_index.numel() == 0:  # no nodes at all: nothing to order
+        return
     check_copied_after_drawn(kids, (kids >= 0) & (q_index[kids.clamp_min(0)] < 0))
 
 

@@ -382,6 +382,94 @@ def test_the_chain_walk_is_the_generic_walk(name):
     assert depths > 100 and residuals > 50  # both outcomes exercised many times
 
 
+def _mixed_forest(rng, samples: int, wide: bool = False):
+    """A forest of the drawn hybrid's trees over a 6-token vocabulary: every node (the root
+    included) has at most one drawn child (two at some nodes with ``wide``), drawn from a q near
+    the target's p at that node, then up to two copied children with other tokens, likely under p.
+    Returns parent lists, p [B + M, 6], tokens [M], q [R, 6] and q_index [M] (-1: copied)."""
+    forest, tokens, q_rows, q_index, p_rows = [], [], [], [], []
+    for _ in range(samples):
+        parents: list[int] = []
+        p_rows.append(rng.dirichlet(np.ones(6)))
+        frontier = [(-1, len(p_rows) - 1)]
+        while frontier and len(parents) < 7:
+            parent, row = frontier.pop(0)
+            here = p_rows[row]
+            used: set[int] = set()
+            drawn = int(rng.integers(0, 3 if wide else 2)) if rng.random() < 0.8 else 0
+            for _ in range(drawn):
+                q = 0.7 * here + 0.3 * rng.dirichlet(np.ones(6))
+                for token in used:
+                    q[token] = 0.0  # a second candidate: drawn without replacement
+                q /= q.sum()
+                token = int(rng.choice(6, p=q))
+                used.add(token)
+                parents.append(parent)
+                tokens.append(token)
+                q_index.append(len(q_rows))
+                q_rows.append(q)
+                p_rows.append(rng.dirichlet(np.ones(6)))
+                frontier.append((len(parents) - 1, len(p_rows) - 1))
+            for _ in range(int(rng.integers(0, 3))):
+                left = [t for t in range(6) if t not in used]
+                weights = here[left] / here[left].sum()
+                token = int(rng.choice(left, p=weights))
+                used.add(token)
+                parents.append(parent)
+                tokens.append(token)
+                q_index.append(-1)
+                p_rows.append(rng.dirichlet(np.ones(6)))
+                frontier.append((len(parents) - 1, len(p_rows) - 1))
+        forest.append(parents)
+    # p rows in packed order: each sample's root row, then its nodes' rows
+    order, k = [], 0
+    for parents in forest:
+        order += list(range(k, k + 1 + len(parents)))
+        k += 1 + len(parents)
+    p = torch.tensor(np.array(p_rows)[order], dtype=torch.float32)
+    q = torch.tensor(np.array(q_rows), dtype=torch.float32) if q_rows else None
+    return forest, p, torch.tensor(tokens, dtype=torch.long), q, torch.tensor(q_index, dtype=torch.long)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_mixed_chain_walk_is_the_generic_walk(wide):
+    """The drawn hybrid's trees (one drawn child a node, copied sibling text after it) are walked
+    in Python lists too (``_walk_chains`` with ``q_index``): on random mixed forests every field of
+    its result equals the tensor walk's with recursive rejection and the copied candidates after
+    the drawn ones (``_walk``) on the same keys; drawn children accepted, residual draws that land
+    on a copied child and plain draws from p among copied children are all exercised. Where a node
+    has two drawn children the list walk declines (None) and ``verify_tree`` takes the tensor walk."""
+    from multispec.verify.tree import _walk, _walk_chains, layout_of_trees
+
+    rng = np.random.default_rng(7)
+    scheme = SCHEMES["without_replacement"]
+    seen = {"drawn": 0, "copied": 0, "declined": 0}
+    for trial in range(80):
+        forest, p, tokens, q, q_index = _mixed_forest(rng, int(rng.integers(1, 6)), wide)
+        layout = layout_of_trees(forest)
+        keys = PositionKeys(rng.integers(0, 2**63, size=len(forest), dtype=np.uint64),
+                            rng.integers(0, 50, size=len(forest)))
+        want = _walk(scheme, p, tokens, layout, q, keys, 1, None, q_index)
+        got = _walk_chains(p, tokens, layout, q, keys, q_index)
+        offsets = torch.tensor(np.cumsum([0] + [len(ps) for ps in forest]))
+        parents = torch.tensor([x for ps in forest for x in ps], dtype=torch.long)
+        public = verify_tree(p, tokens, parents, offsets, q, scheme="without_replacement", rng=keys, layout=layout,
+                             q_index=q_index)
+        if got is None:
+            seen["declined"] += 1
+            assert wide
+        for result in (public,) if got is None else (got, public):
+            assert result.accepted_nodes == want.accepted_nodes, (trial, forest)
+            for field in ("num_accepted", "bonus_token", "accepted_path", "accepted_tokens"):
+                assert torch.equal(getattr(result, field), getattr(want, field)), (field, trial, forest)
+        first = np.cumsum([0] + [len(ps) for ps in forest])
+        for b, nodes in enumerate(want.accepted_nodes):
+            for node in nodes:
+                seen["drawn" if int(q_index[first[b] + node]) >= 0 else "copied"] += 1
+    assert seen["drawn"] > 40 and seen["copied"] > 20, seen
+    assert (seen["declined"] > 5) == wide, seen
+
+
 def test_layout_from_parent_lists_equals_the_tensor_layout():
     """The engine's layout built from Python lists (``layout_of_trees``) is field for field the one
     ``verify_tree`` derives from the packed tensors, on random forests with empty trees, chains,
