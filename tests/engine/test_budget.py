@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from multispec.drafters.base import DraftTree
-from multispec.engine.budget import (IDLE_STEPS, MARGIN, MAX_WEIGHT, PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, Calibration,
-                                    DraftBudget)
+from multispec.engine.budget import (COPIED_NODE, CONTESTED_NODE, DRAWN_NODE, IDLE_STEPS, MARGIN, MAX_WEIGHT,
+                                    PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, Calibration, DraftBudget, node_kinds)
 from tests.engine.test_costs import law_costs
 
 CONTEXT = 200
@@ -307,11 +307,33 @@ def test_drawn_nodes_are_kept_whatever_they_promise():
     dear = DraftBudget(4, costs(fixed=0.0, per_token=0.01))
     kept = dear.select([mixed] * 8, CONTEXT)
     assert all(tree.tokens == [10] and tree.drawn == [True] and torch.equal(tree.q, q) for tree in kept)
-    assert dear.cutoff == pytest.approx(dear.calibrated(0.3, 3))  # the best copied node left out
+    assert dear.cutoff == pytest.approx(dear.calibrated(0.3, 3, CONTESTED_NODE))  # the best copied node left out
     cheap = DraftBudget(4, costs(fixed=0.05, per_token=0.0001))
     kept = cheap.select([mixed] * 8, CONTEXT)
     assert all(tree.tokens == [10, 11, 12] for tree in kept)
-    assert cheap.cutoff == pytest.approx(cheap.calibrated(0.3, 3) * cheap.calibrated(0.8, 2))
+    assert cheap.cutoff == pytest.approx(cheap.calibrated(0.3, 3, CONTESTED_NODE) * cheap.calibrated(0.8, 2))
+
+
+def test_drawn_contested_and_copied_nodes_are_calibrated_apart():
+    """A drawn hybrid's tree holds three kinds of node whose acceptance differs at one confidence:
+    drawn ones (rejection sampling), copied ones beside a drawn sibling (tried only where it is
+    rejected, on the residual) and copied ones without. Each kind is calibrated in its own table,
+    so a cell learns its own kind's rate, not a blend (here 0.64 for all three); and ``select``
+    ranks a contested node by its own chance: it is cut where the copied node is kept."""
+    q = torch.eye(16)[[10]]
+    # Root children: the drawn 10 and the copied 11 beside it; the copied 12 under the drawn one.
+    tree = DraftTree([10, 11, 12], [-1, -1, 0], q, [0.5, 0.5, 0.5], [1, 1, 1], [True, False, False])
+    assert node_kinds(tree) == [DRAWN_NODE, CONTESTED_NODE, COPIED_NODE]
+    assert node_kinds(DraftTree([3, 4], [-1, -1], None, [0.5, 0.5], [1, 1])) == [COPIED_NODE] * 2
+    assert node_kinds(DraftTree([3, 4], [-1, -1], torch.eye(8)[[3, 4]], [0.5, 0.5], [0, 0])) == [DRAWN_NODE] * 2
+    budget = DraftBudget(4, costs(fixed=0.05, per_token=0.002))
+    for _ in range(200):  # drawn kept 3 of 4 times, the contested node 1 of 4, the copied child 3 of 3
+        budget.record_nodes([tree] * 4, [[0, 2], [0, 2], [0, 2], [1]])
+    assert budget.calibrated(0.5, 1, DRAWN_NODE) == pytest.approx(0.75, abs=0.01)
+    assert budget.calibrated(0.5, 1, CONTESTED_NODE) == pytest.approx(0.25, abs=0.01)
+    assert budget.calibrated(0.5, 1, COPIED_NODE) == pytest.approx(1.0, abs=0.01)
+    kept = budget.select([tree] * 8, CONTEXT)
+    assert all(t.tokens == [10, 12] and t.drawn == [True, False] for t in kept)
 
 
 def test_a_hybrid_lane_counts_its_heads_acceptance_per_depth_apart():
