@@ -4,7 +4,9 @@ Default model, GSM8K test questions in the chat template, max_tokens 256, bf16 w
 has it. Cells: one request of 4 samples in flight at a time, one of 16 at a time, and 4 x 16
 batched, at temperature 0.7 and 1.0. Rows:
 
-- none: plain decoding through the same engine (the speedup's baseline, same run, interleaved);
+- none: plain decoding through the same engine (the speedup's baseline, same run, interleaved:
+  every other run takes the rows in reverse order, so that a drift of the machine's speed over a
+  run does not favour the rows that come first);
 - consensus: the default SpecConfig(drafter="consensus") (sibling drafts, adaptive budget);
 - model-w1, model-w2, model-w4: the draft head with 1, 2 or 4 candidates at the root, each a chain
   of up to ``--depth`` tokens, every step at full depth (decision model off, ``adaptive=False``):
@@ -14,13 +16,14 @@ batched, at temperature 0.7 and 1.0. Rows:
 - model-auto: SpecConfig(drafter="model"): one candidate, the decision model and the adaptive draft
   budget, the setting a user gets by asking for the draft model;
 - consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
-  and their argmax chains (copied drafts, deterministic verification), trees of up to 2 x depth
-  nodes every step: the hybrid against its parts;
-- hybrid: SpecConfig(drafter="hybrid") (one candidate) with the adaptive budget;
-- hybrid-drawn-fixed, hybrid-drawn: the same with ``sampled_drafts=True``: the head's candidates
-  drawn from its q (recursive rejection verifies them), the sibling text copied after them;
-  hybrid-drawn-wide: as hybrid-drawn-fixed with 3 x depth nodes, room for the head's whole tree
-  and up to depth sibling nodes beside it;
+  and their argmax chains (copied drafts, ``sampled_drafts=False``, deterministic verification),
+  trees of up to 2 x depth nodes every step: the hybrid against its parts;
+- hybrid: SpecConfig(drafter="hybrid") (one candidate, the head's candidates drawn from its q and
+  verified by recursive rejection, the sibling text copied after them) with the adaptive budget,
+  the setting a user gets by asking for the hybrid; hybrid-copied: the same with
+  ``sampled_drafts=False`` (the head's top candidates copied);
+- hybrid-drawn-fixed: as hybrid-fixed with the head's candidates drawn; hybrid-drawn-wide: the
+  same with 3 x depth nodes, room for the head's whole tree and up to depth sibling nodes beside it;
 - lm-w1, lm-w2: with ``--draft-checkpoint`` (a causal LM sharing the model's tokenizer: a
   directory, a .gguf or a known name), that model drafting with its own KV cache, 1 or 2
   candidates, chains of ``--depth``, every step at full depth.
@@ -53,7 +56,7 @@ CELLS = [  # (questions, n, one request at a time)
     (4, 16, False),
 ]
 ROWS = ("none", "consensus", "model-w1", "model-w2", "model-w4", "model-w2-decision", "model-auto",
-        "consensus-fixed", "hybrid-fixed", "hybrid", "hybrid-drawn-fixed", "hybrid-drawn-wide", "hybrid-drawn",
+        "consensus-fixed", "hybrid-fixed", "hybrid", "hybrid-copied", "hybrid-drawn-fixed", "hybrid-drawn-wide",
         "lm-w1", "lm-w2")
 
 
@@ -74,15 +77,16 @@ def configs(depth: int, checkpoint: str | None = None, head: str | None = None):
             "consensus-fixed": SpecConfig(drafter="consensus", max_draft_tokens=depth, max_draft_nodes=2 * depth,
                                           adaptive=False),
             "hybrid-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, num_candidates=2,
-                                       adaptive=False, decision_threshold=0.0),
+                                       adaptive=False, decision_threshold=0.0, sampled_drafts=False),
             "hybrid": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth),
+            "hybrid-copied": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
+                                        sampled_drafts=False),
             "hybrid-drawn-fixed": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
                                              num_candidates=2, adaptive=False, decision_threshold=0.0,
                                              sampled_drafts=True),
             "hybrid-drawn-wide": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth,
                                             max_draft_nodes=3 * depth, num_candidates=2, adaptive=False,
                                             decision_threshold=0.0, sampled_drafts=True),
-            "hybrid-drawn": SpecConfig(drafter="hybrid", draft_model=head, max_draft_tokens=depth, sampled_drafts=True),
             **({} if checkpoint is None else {
                 f"lm-w{w}": SpecConfig(drafter="model", draft_model=checkpoint, num_candidates=w,
                                        max_draft_tokens=depth, adaptive=False, decision_threshold=0.0)
@@ -99,7 +103,7 @@ def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: boo
     results: dict[str, list[dict]] = {}
     for run in range(runs):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
-        for label in rows:
+        for label in rows if run % 2 == 0 else rows[::-1]:
             s = chat_stats(llm, conversations, params, specs[label], one_at_a_time)
             step = s.time_draft + s.time_forward + s.time_verify + s.time_commit
             results.setdefault(label, []).append({
@@ -146,7 +150,7 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype)
     print(f"model {args.model} on {llm.device}, {llm.dtype}; draft head {args.draft_head or 'shipped'}",
           file=sys.stderr)
-    if any(r in ("consensus", "model-auto", "hybrid") for r in rows):
+    if any(r in ("consensus", "model-auto", "hybrid", "hybrid-copied") for r in rows):
         llm.engine.step_costs()  # the adaptive budget's prices, measured before any timing
     table = []
     for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -98,7 +98,8 @@ def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_toke
     results = {}
     for run, labels in enumerate(schedule):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
-        for label, spec in configs(depth, labels, nodes):
+        rows = configs(depth, labels, nodes)
+        for label, spec in rows if run % 2 == 0 else rows[::-1]:  # reversed every other run: drift favours no row
             s = chat_stats(llm, conversations, params, spec, one_at_a_time)
             step_time = s.time_draft + s.time_forward + s.time_verify + s.time_commit
             results.setdefault(label, []).append({

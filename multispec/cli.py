@@ -61,9 +61,10 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
                         help="drafter 'model': stop a chain below this predicted acceptance (a head's decision "
                              "model; a draft LM's confidence in its next token) (default: the head's own; 0: full "
                              "depth)")
-    parser.add_argument("--sampled-drafts", action="store_true",
-                        help="sample drafts and verify with multi-draft schemes (hybrid: the head's candidates drawn, "
-                             "the sibling text copied beside them)")
+    parser.add_argument("--sampled-drafts", action=argparse.BooleanOptionalAction, default=None,
+                        help="sample drafts and verify with multi-draft schemes, or copy them and verify "
+                             "deterministically (default: the drafter's own way: consensus copies; hybrid draws the "
+                             "head's candidates, the sibling text copied beside them)")
     parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
 
 

@@ -115,9 +115,14 @@ class SpecConfig:
     choose its draft length from the measured cost of a forward and the measured acceptance, so
     speculation never costs more than it gains (off: always draft up to the maximum).
 
+    ``sampled_drafts``: whether drafts are drawn from the drafter's distribution and verified by
+    a multi-draft scheme, or copied and verified deterministically (None: the drafter's own way;
+    consensus copies, the hybrid draws).
+
     ``drafter="model"`` drafts with a draft model (``"hybrid"``: merged with consensus's sibling
-    drafts; verified deterministically, or with ``sampled_drafts=True`` the model's candidates are
-    drawn from its q and verified by recursive rejection, the sibling text after them). ``draft_model`` is a draft head file over the target's
+    drafts: the model's candidates drawn from its q and verified by recursive rejection, the
+    sibling text copied after them; with ``sampled_drafts=False`` the model's top candidates are
+    copied too and the whole tree verified deterministically). ``draft_model`` is a draft head file over the target's
     features (None: the head the registry pairs with the target), or a causal LM that shares the
     target's tokenizer (a checkpoint directory, a ``.gguf`` file or a known model name), run with
     its own KV cache. ``num_candidates`` candidates are drawn at the root, each extended as a chain
@@ -132,7 +137,7 @@ class SpecConfig:
     max_draft_tokens: int = 6
     max_draft_nodes: int | None = None
     scheme: str = "auto"
-    sampled_drafts: bool = False
+    sampled_drafts: bool | None = None
     aggregate: bool = True
     max_ngram: int = 4
     min_ngram: int = 1
@@ -158,8 +163,10 @@ class SpecConfig:
         check_choice("scheme", self.scheme, NAMES)
         for name in ("max_draft_tokens", "max_draft_nodes"):
             check_int(name, getattr(self, name), 0)
-        for name in ("sampled_drafts", "aggregate", "adaptive"):
+        for name in ("aggregate", "adaptive"):
             check_bool(name, getattr(self, name))
+        if self.sampled_drafts is not None and not isinstance(self.sampled_drafts, bool):
+            raise _bad("sampled_drafts", self.sampled_drafts, "must be True, False or None (the drafter's own way)")
         check_int("max_ngram", self.max_ngram, 1)
         check_int("min_ngram", self.min_ngram, 1, self.max_ngram)
         check_int("max_batch_tokens", self.max_batch_tokens, 1, none=True)
@@ -182,11 +189,19 @@ class SpecConfig:
         return self.drafter != "none" and self.max_draft_nodes > 0 and self.max_draft_tokens > 0
 
     @property
+    def sampled(self) -> bool:
+        """Whether the drafts are drawn (``sampled_drafts``, or where it is None the drafter's
+        own way)."""
+        from multispec.drafters import draws_by_default
+
+        return draws_by_default(self.drafter) if self.sampled_drafts is None else self.sampled_drafts
+
+    @property
     def draft_law(self):
         """How the drafter draws its trees under this config (None: nothing is drafted)."""
         from multispec.drafters import draft_law
 
-        law = draft_law(self.drafter, sampled=self.sampled_drafts, max_depth=max(1, self.max_draft_tokens),
+        law = draft_law(self.drafter, sampled=self.sampled, max_depth=max(1, self.max_draft_tokens),
                         max_nodes=self.max_draft_nodes, num_candidates=self.num_candidates, scheme=self.scheme)
         return law if self.speculates else None
 

@@ -71,6 +71,24 @@ def test_spec_config_names_the_field_and_why(options, needle):
         SpecConfig(**options)
 
 
+def test_sampled_drafts_none_is_each_drafters_own_way():
+    """``sampled_drafts=None`` (the default): consensus and prompt lookup copy their drafts, the
+    hybrid draws its head's candidates (the mixed law, verified by recursive rejection); an
+    explicit value overrides, and the command line's ``--sampled-drafts`` / ``--no-sampled-drafts``
+    give True / False (neither: None)."""
+    from multispec.cli import _spec, build_parser
+
+    assert [SpecConfig(drafter=d).sampled for d in ("none", "consensus", "ngram", "hybrid")] == [False, False, False,
+                                                                                                  True]
+    assert SpecConfig(drafter="hybrid").draft_law.law == "mixed"
+    assert SpecConfig(drafter="hybrid", sampled_drafts=False).draft_law.law == "copied"
+    assert SpecConfig(drafter="consensus", sampled_drafts=True).sampled
+    parser = build_parser()
+    for flags, want in (([], None), (["--sampled-drafts"], True), (["--no-sampled-drafts"], False)):
+        args = parser.parse_args(["generate", "--prompt", "x", "--drafter", "hybrid", *flags])
+        assert _spec(args).sampled_drafts is want
+
+
 def test_spec_config_checks_the_scheme_against_the_temperature():
     spec = SpecConfig(scheme="greedy")  # exact at temperature 0 only
     spec.check_temperature(0.0)

@@ -14,14 +14,14 @@ from multispec.drafters.ngram import NgramDrafter
 from multispec.verify.schemes import DraftLaw
 
 __all__ = ["DRAFTERS", "ConsensusDrafter", "DraftTree", "Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
-           "draft_law", "make_drafter"]
+           "draft_law", "draws_by_default", "make_drafter"]
 
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,  # plain decoding through the same step
     "consensus": ConsensusDrafter,  # the sibling samples draft for each other
     "ngram": NgramDrafter,  # prompt lookup over the sample's own text
     "model": ModelDrafter,  # a draft head over the target's features, or a draft LM, proposes candidate trees
-    "hybrid": HybridDrafter,  # consensus and the draft head in one tree, verified deterministically
+    "hybrid": HybridDrafter,  # consensus and the draft head in one tree
 }
 
 
@@ -29,6 +29,11 @@ def _registered(kind: str) -> type:
     if kind not in DRAFTERS:
         raise ValueError(f"drafter={kind!r}: must be one of {', '.join(DRAFTERS)}")
     return DRAFTERS[kind]
+
+
+def draws_by_default(kind: str) -> bool:
+    """Whether drafter ``kind`` draws its drafts when ``SpecConfig.sampled_drafts`` is None."""
+    return bool(getattr(_registered(kind), "draws_by_default", False))
 
 
 def make_drafter(kind: str, **options) -> Drafter:

@@ -32,7 +32,7 @@ DEPTH_WINDOW = 8
 def lane_key(spec: SpecConfig, request_params) -> tuple:
     """Requests with equal keys share a lane."""
     sp = request_params
-    return (spec.drafter, spec.max_draft_tokens, spec.max_draft_nodes, spec.scheme, spec.sampled_drafts,
+    return (spec.drafter, spec.max_draft_tokens, spec.max_draft_nodes, spec.scheme, spec.sampled,
             spec.aggregate, spec.max_ngram, spec.min_ngram, spec.max_batch_tokens, spec.adaptive, spec.draft_model,
             spec.num_candidates, spec.decision_threshold, round(sp.temperature, 2), sp.top_k, round(sp.top_p, 2))
 
@@ -48,7 +48,7 @@ class Lane:
         self.law: DraftLaw | None = spec.draft_law
         self.drafter = make_drafter(spec.drafter if spec.speculates else "none", vocab_size=vocab_size,
                                     max_depth=spec.max_draft_tokens, max_nodes=spec.max_draft_nodes,
-                                    sampled=spec.sampled_drafts, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
+                                    sampled=spec.sampled, aggregate=spec.aggregate, max_ngram=spec.max_ngram,
                                     min_ngram=spec.min_ngram, draft=draft, num_candidates=spec.num_candidates,
                                     temperature=temperature, scheme=spec.scheme,
                                     decision_threshold=spec.decision_threshold)
@@ -64,7 +64,7 @@ class Lane:
         self.budget = DraftBudget(depth, priced, max_evidence=spec.max_ngram,
                                   calibration=Calibration.prior(depth, spec.max_ngram), width=self.width)
         self.head_budget = DraftBudget(depth, priced, width=spec.num_candidates) if (
-            depth and hasattr(self.drafter, "use_model") and spec.sampled_drafts) else None
+            depth and hasattr(self.drafter, "use_model") and spec.sampled) else None
         """A hybrid's drawn head alone, priced as sampled drafts are (``DraftBudget.choose``): how
         deep its chains may go this step, from what its own (drawn) nodes were accepted at each
         depth and what a depth of it costs. Without it the head grew every chain as deep as its
