@@ -122,14 +122,14 @@ class SpecConfig:
     ``drafter="model"`` drafts with a draft model (``"hybrid"``: merged with consensus's sibling
     drafts: the model's candidates drawn from its q and verified by recursive rejection, the
     sibling text copied after them; with ``sampled_drafts=False`` the model's top candidates are
-    copied too and the whole tree verified deterministically). ``draft_model`` is a draft head file over the target's
-    features (None: the head the registry pairs with the target), or a causal LM that shares the
-    target's tokenizer (a checkpoint directory, a ``.gguf`` file or a known model name), run with
-    its own KV cache. ``num_candidates`` candidates are drawn at the root, each extended as a chain
-    up to ``max_draft_tokens``; ``decision_threshold`` stops a chain where its next token's predicted
-    chance of acceptance (a head's decision model; a draft LM's probability of its likeliest next
-    token) falls below it (None: the head's recommended threshold, none for a draft LM; 0: always
-    the full depth).
+    copied too and the whole tree verified deterministically). ``draft_model`` is a draft head
+    file over the target's features (None: the head the registry pairs with the target), or a
+    causal LM that shares the target's tokenizer (a checkpoint directory, a ``.gguf`` file or a
+    known model name), run with its own KV cache. ``num_candidates`` candidates are drawn at the
+    root, each extended as a chain up to ``max_draft_tokens``; ``decision_threshold`` stops a chain
+    where its next token's predicted chance of acceptance (a head's decision model; a draft LM's
+    probability of its likeliest next token) falls below it (None: the head's recommended
+    threshold, none for a draft LM; 0: always the full depth).
     ``max_draft_nodes`` defaults to ``max_draft_tokens * num_candidates``.
     """
 
