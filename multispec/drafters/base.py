@@ -56,17 +56,6 @@ class DraftTree:
             return self.drawn
         return [self.q is not None] * len(self.tokens)
 
-    def contested(self) -> list[bool]:
-        """Per node, whether it is copied and a sibling of it (a child of the same parent) was
-        drawn from a q: verification tries it only where the drawn one is rejected, on the
-        residual, so it is accepted less often than the same node alone (``DraftBudget``
-        calibrates such nodes apart)."""
-        drawn = self.is_drawn()
-        if not any(drawn):
-            return [False] * len(self.tokens)
-        rivals = {parent for parent, d in zip(self.parents, drawn) if d}
-        return [not d and parent in rivals for parent, d in zip(self.parents, drawn)]
-
     def q_rows(self) -> list[int]:
         """Per node, its row of ``q`` (-1: copied)."""
         rows, row = [], 0

@@ -107,12 +107,13 @@ class Calibration:
         edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
         centers = [(lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]
 
-        def cells(value):
-            return [[value(c)] * (max_evidence + 1) for c in centers]
+        def tried():
+            return [[PRIOR_WEIGHT] * (max_evidence + 1) for _ in centers]
 
-        return cls([2.0] * (max_depth + 1), [1.0] * (max_depth + 1),
-                   *(table for _ in range(3) for table in (cells(lambda c: PRIOR_WEIGHT),
-                                                           cells(lambda c: PRIOR_WEIGHT * c))))
+        def kept():
+            return [[PRIOR_WEIGHT * c] * (max_evidence + 1) for c in centers]
+
+        return cls([2.0] * (max_depth + 1), [1.0] * (max_depth + 1), tried(), kept(), tried(), kept(), tried(), kept())
 
 
 COPIED_NODE, CONTESTED_NODE, DRAWN_NODE = 0, 1, 2
@@ -120,10 +121,13 @@ COPIED_NODE, CONTESTED_NODE, DRAWN_NODE = 0, 1, 2
 
 def node_kinds(tree: DraftTree) -> list[int]:
     """Per node, which calibration table it belongs to: ``DRAWN_NODE`` (drawn from a q),
-    ``CONTESTED_NODE`` (copied, with a drawn sibling: see ``DraftTree.contested``) or
-    ``COPIED_NODE``."""
-    return [DRAWN_NODE if d else CONTESTED_NODE if c else COPIED_NODE
-            for d, c in zip(tree.is_drawn(), tree.contested())]
+    ``CONTESTED_NODE`` (copied, with a sibling drawn from a q: verification tries it only where the
+    drawn one is rejected, on the residual, so it is accepted less often than the same node alone)
+    or ``COPIED_NODE``."""
+    drawn = tree.is_drawn()
+    rivals = {parent for parent, d in zip(tree.parents, drawn) if d}
+    return [DRAWN_NODE if d else CONTESTED_NODE if parent in rivals else COPIED_NODE
+            for parent, d in zip(tree.parents, drawn)]
 
 
 def _count(tried: list[float], kept: list[float], i: int, accepted: float, offered: float = 1.0) -> None:
@@ -228,15 +232,16 @@ class DraftBudget:
         for b, tree in enumerate(trees):
             if not tree.tokens or tree.confidence is None or tree.evidence is None:
                 continue
-            drawn, kinds = tree.is_drawn(), node_kinds(tree)
+            kinds = node_kinds(tree)
             chance: list[float] = []
             depth: list[int] = []
             for i, parent in enumerate(tree.parents):
                 p = self.calibrated(tree.confidence[i], tree.evidence[i], kinds[i])
                 chance.append(p if parent < 0 else p * chance[parent])
                 depth.append(1 if parent < 0 else depth[parent] + 1)
-                candidates.append((not drawn[i], -chance[i], depth[i], b, i, tree.evidence[i]))
-                pinned += drawn[i]
+                drawn = kinds[i] == DRAWN_NODE
+                candidates.append((not drawn, -chance[i], depth[i], b, i, tree.evidence[i]))
+                pinned += drawn
         candidates.sort()
         plain = batch / self.costs.seconds(batch, batch, 1, context)
         keep, gained, step = self._best(candidates, own, batch, context, plain, pinned)
