@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import chat_stats  # noqa: E402 - the one-at-a-time loop is shared with bench_spec
+from bench_spec import chat_stats, warm_up  # noqa: E402 - the one-at-a-time loop is shared with bench_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = [  # (questions, n, one request at a time)
@@ -100,6 +100,7 @@ def run_cell(llm, questions: int, n: int, temperature: float, one_at_a_time: boo
 
     conversations = [p.chat() for p in load_gsm8k(limit=questions)]
     specs = configs(depth, checkpoint, head)
+    warm_up(llm, conversations[0], n, temperature, [specs[label] for label in rows])
     results: dict[str, list[dict]] = {}
     for run in range(runs):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_draft_model.json"))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
     parser.add_argument("--draft-checkpoint", help="a causal LM drafting for the model (rows lm-w1, lm-w2)")
     parser.add_argument("--draft-head", help="a draft head file (multispec train-draft) for the model and hybrid "
                                              "rows, in place of the one shipped for the model")
@@ -147,7 +149,7 @@ def main() -> None:
     cells = CELLS if args.cells is None else [CELLS[int(i)] for i in args.cells.split(",")]
     from multispec import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
     print(f"model {args.model} on {llm.device}, {llm.dtype}; draft head {args.draft_head or 'shipped'}",
           file=sys.stderr)
     if any(r in ("consensus", "model-auto", "hybrid", "hybrid-copied") for r in rows):

@@ -89,12 +89,25 @@ def chat_stats(llm, conversations, params, spec, one_at_a_time: bool):
     return total
 
 
+def warm_up(llm, conversation, n: int, temperature: float, specs) -> None:
+    """One short untimed call per row before any timed one: the first generation of a process pays
+    for lazy initialisation (on a GPU, kernel loading and the allocator's first blocks: the first
+    timed row of a cell ran at 0.8x the same row's later runs there), which would bias whichever
+    row comes first."""
+    from multispec import SamplingParams
+
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=16, seed=0)
+    for spec in specs:
+        llm.chat([conversation], params, spec, use_tqdm=False)
+
+
 def run_cell(llm, questions: int, n: int, temperature: float, schedule, max_tokens: int, depth: int,
              one_at_a_time: bool = False, nodes: int | None = None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
     conversations = [p.chat() for p in load_gsm8k(limit=questions)]
+    warm_up(llm, conversations[0], n, temperature, [spec for _, spec in configs(depth, schedule[0], nodes)])
     results = {}
     for run, labels in enumerate(schedule):
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=run)
