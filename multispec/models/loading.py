@@ -23,6 +23,9 @@ from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig
 from multispec.models.tokenizer import Tokenizer
 
 _GGUF_MAGIC = b"GGUF"
+CONVERSION = 2
+"""Version of the GGUF conversion, part of the cache key (2: the EOS token taken from the GGUF's own
+metadata)."""
 
 
 @dataclass
@@ -122,7 +125,7 @@ def _converted_gguf(gguf: Path, cache_root: Path) -> Path:
     """
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION}".encode()).hexdigest()[:16]
     root = cache_root / "gguf"
     target = root / f"{gguf.stem}-{key}"
     if target.is_dir():
@@ -189,3 +192,28 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
     tokenizer.save_pretrained(out, save_jinja_files=False)
+    _eos_token_from_gguf(gguf, out / "tokenizer_config.json")
+
+
+def _eos_token_from_gguf(gguf: Path, tokenizer_config: Path) -> None:
+    """Name the EOS token in ``tokenizer_config`` as the GGUF's own metadata does.
+
+    The EOS token decides where generation stops, and transformers' GGUF tokenizer has not always
+    carried it over (5.17 wrote a Llama GGUF's BOS token as its EOS), so the file's
+    ``tokenizer.ggml.eos_token_id`` is authoritative. The BOS stays as transformers reads it: its
+    converter drops the BOS that llama.cpp's files name for models that have none (Qwen2)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    field = reader.fields.get("tokenizer.ggml.eos_token_id")
+    if field is None or tokens is None:
+        return
+    token_id = int(field.contents())
+    if not 0 <= token_id < len(tokens.data):
+        raise ValueError(f"tokenizer.ggml.eos_token_id {token_id} is outside the vocabulary")
+    config = json.loads(tokenizer_config.read_text(encoding="utf-8"))
+    config["eos_token"] = tokens.contents(token_id)
+    if "eos_token_id" in config:
+        config["eos_token_id"] = token_id
+    tokenizer_config.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

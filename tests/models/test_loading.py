@@ -93,6 +93,27 @@ def test_tiny_gguf_round_trip(arch, tmp_path):
     assert checkpoint.tokenizer.eos_token_ids == [checkpoint.tokenizer.token_to_id("<|end|>")]
 
 
+def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
+    """Where transformers' GGUF tokenizer names another EOS token than the file does (5.17 named
+    a Llama file's BOS), the file's ``tokenizer.ggml.eos_token_id`` wins: it decides where
+    generation stops. Fails if the converter keeps the tokenizer's EOS (the BOS would stop
+    generation too)."""
+    source = tmp_path / "source"
+    save_tiny(source, "llama", tie=True)
+    gguf = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(gguf, transformers.AutoModelForCausalLM.from_pretrained(source), source, "llama")
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def wrong_eos(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.eos_token = "<s>"
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", wrong_eos)
+    tokenizer = load_checkpoint(gguf, cache_dir=tmp_path / "cache").tokenizer
+    assert tokenizer.eos_token_ids == [tokenizer.token_to_id("<|end|>")]
+
+
 # --- the GGUF cache, with a stand-in converter -------------------------------------------------
 
 
