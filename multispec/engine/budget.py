@@ -319,14 +319,21 @@ class DraftBudget:
         accepted little, or a draft model's first forward, which pays its warm-up, was enough to
         stop a draft model for a whole run). So after ``IDLE_STEPS`` steps of 0 in a row, the
         probe steps of ``wants_drafts`` draft the length that promises most even where it does
-        not clear ``MARGIN``, and what they accept and cost is measured again."""
+        not clear ``MARGIN``, and what they accept and cost is measured again. Only a length that
+        could pay is probed: where a step of it would not clear ``MARGIN`` even with every draft
+        token accepted (many samples in flight on a CPU, where a draft token costs about what a
+        sample does), no acceptance a probe could measure would change the choice, and each probe
+        cost a step of drafts that could not pay (one request of 16 samples, the drawn hybrid's
+        head: probe steps of one token a sample cost 2.05 plain steps for 1.61 steps' tokens).
+        The draft model's own seconds are left out of that test: they are what a probe measures
+        again (a warm-up or a slow spell can price a depth far above what it costs)."""
         if self.max_depth == 0:
             return 0
         seconds = self.costs.seconds
         total = batch + others
         plain = total / seconds(total, total, 1, context)
         best, best_rate = 0, MARGIN * plain
-        probe, probe_rate = 1, 0.0
+        probe, probe_rate = 0, 0.0
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
             nodes = self.width * length
@@ -334,7 +341,10 @@ class DraftBudget:
             rate = gained / step
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
-            if rate > probe_rate * 1.02:
+            # The step alone, without the draft model's seconds: those a probe measures again.
+            forward = step - length * per_depth
+            could_pay = (others + batch * (1.0 + length)) / forward > MARGIN * plain
+            if could_pay and rate > probe_rate * 1.02:
                 probe, probe_rate = length, rate
         if best:
             self.idle = 0

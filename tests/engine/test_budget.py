@@ -84,6 +84,23 @@ def test_sampled_drafts_probe_after_a_run_of_steps_without_drafts():
     assert budget.choose(16, CONTEXT) >= 1
 
 
+def test_sampled_drafts_do_not_probe_where_no_acceptance_could_pay():
+    """Where a draft token costs what a sample does (a compute-bound step), even perfect drafts
+    cannot beat plain decoding by ``MARGIN``: a probe there would only cost a step. The budget
+    stays at 0 through the probe steps; the same loop on overhead-bound prices probes (the test
+    above), so it fails if probes ignore what drafts could pay at best, or if they leave out a
+    draft model whose price a probe should measure again."""
+    budget = DraftBudget(4, costs(fixed=0.0, per_token=0.01))
+    budget.record_acceptance([0] + [1000] * 4, [0] + [10] * 4)
+    assert [budget.choose(16, CONTEXT) for _ in range(IDLE_STEPS + 3 * PROBE_EVERY + 1)] == [0] * (
+        IDLE_STEPS + 3 * PROBE_EVERY + 1)
+    # A draft model's seconds per depth are what a probe measures again (a warm-up can price a
+    # depth far above its cost): cheap steps with a dear draft model are still probed.
+    dear = DraftBudget(4, costs(fixed=0.1, per_token=0.0001))
+    dear.record_acceptance([0] + [1000] * 4, [0] + [10] * 4)
+    assert any(dear.choose(16, CONTEXT, per_depth=0.2) for _ in range(IDLE_STEPS + 3 * PROBE_EVERY + 1))
+
+
 def test_expected_accepted_is_the_chain_sum():
     budget = trained(0.1, 0.001, accept=0.5)
     assert abs(budget.expected_accepted(3) - (0.5 + 0.25 + 0.125)) < 0.01
