@@ -128,7 +128,7 @@ class CheckpointDrafter(ModelDrafter):
         state.paths = None
         state.pending.extend(tokens)
 
-    def observe_features(self, sample_ids: list[int], features: Sequence[torch.Tensor]) -> None:
+    def observe_features(self, sample_ids: list[int], features: Sequence[Sequence[torch.Tensor]]) -> None:
         """A checkpoint drafts from text, not from the target's features (the hybrid drafter
         hands them to whichever model drafter it holds)."""
 

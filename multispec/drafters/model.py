@@ -115,10 +115,10 @@ class ModelDrafter:
         if new_tokens:
             self.tokens.setdefault(sample_id, deque(maxlen=self.context)).extend(int(t) for t in new_tokens)
 
-    def observe_features(self, sample_ids: list[int], features: Sequence[torch.Tensor]) -> None:
-        """Per sample, the target's final hidden states ``[k, H]`` at the positions its ``k``
-        newest tokens were drawn from, in order (the last: the row its newest token was drawn
-        from)."""
+    def observe_features(self, sample_ids: list[int], features: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Per sample, the target's final hidden states at the positions its ``k`` newest tokens
+        were drawn from, in order (the last: the row its newest token was drawn from): ``k`` rows
+        of ``[H]``, as a ``[k, H]`` tensor or a sequence of ``[H]`` tensors."""
         for sample_id, rows in zip(sample_ids, features):
             self.features.setdefault(sample_id, deque(maxlen=self.context)).extend(rows[-self.context:])
 

@@ -14,6 +14,7 @@ finished with an error; the others in the batch go on.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 import warnings
@@ -519,9 +520,12 @@ class LLMEngine:
                 continue
             rows = [[step.row_offsets[b]] + [step.row_offsets[b] + 1 + node for node in results[b].path] for b in live]
             try:
-                picked = hidden[torch.tensor([r for each in rows for r in each], device=hidden.device)]
+                # One gather and one unbind for the whole lane: every sample's rows as a tuple of
+                # [H] views (a split and a per-sample unbind cost two tensor operations a sample).
+                picked = hidden[torch.tensor([r for each in rows for r in each], device=hidden.device)].unbind(0)
+                ends = list(itertools.accumulate(len(each) for each in rows))
                 lane.drafter.observe_features([step.samples[b].sample_id for b in live],
-                                              picked.split([len(each) for each in rows]))
+                                              [picked[end - len(each):end] for each, end in zip(rows, ends)])
             except Exception as error:  # noqa: BLE001 - the lane's requests fail, the others go on
                 for request in {step.samples[b].request for b in live}:
                     self._fail(request, error, changed)

@@ -176,7 +176,7 @@ def test_engine_hands_the_head_the_target_features_of_every_new_position(setup, 
         def observe_features(self, sample_ids, features):
             super().observe_features(sample_ids, features)
             for sample_id, rows in zip(sample_ids, features):
-                seen.append((list(self.written[sample_id]), rows.clone()))
+                seen.append((list(self.written[sample_id]), torch.stack(list(rows))))  # [k, H] rows, whatever the container
 
     monkeypatch.setitem(DRAFTERS, "model", Recording)
     llm.generate([prompt], SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=5),
