@@ -1,16 +1,18 @@
 """Operations and host reads per decode step on the device path, replayed on the CPU.
 
-On a GPU the engine runs the portable path: no compiled CPU kernels, the attention built from
-batched products and a float32 softmax (``_reference_kernel``). Each aten operation there is a
-dispatch from Python and, unless it is a view, a kernel launch; each ``.item()``, ``.tolist()``,
-``.cpu()`` or truth test of a device tensor waits for the device. This script runs the same path
-on the CPU (``MULTISPEC_KERNELS=0`` and the reference attention) and counts both per decode step
-of one request, overall and inside the attention. Counts, not times: they do not depend on the
-machine, and where the step is bound by its dispatches (docs/results.md, "On a GPU") they are
-what to reduce.
+On a GPU the engine runs the portable path: no compiled CPU kernels, the attention of each
+sample over its prompt's and its own keys concatenated, in one ``scaled_dot_product_attention``
+call a layer (``concat_keys``), and torch's ``rms_norm``. Each aten operation there is a dispatch
+from Python and, unless it is a view, a kernel launch; each ``.item()``, ``.tolist()``, ``.cpu()``
+or truth test of a device tensor waits for the device. This script runs the same path on the CPU
+(``MULTISPEC_KERNELS=0``, the GPU's forms of attention and norm; ``--cpu-forms`` for the CPU's:
+two attention halves merged by their log-sum-exp, the element-wise norm) and counts both per
+decode step of one request, overall and inside the attention. Counts, not times: they do not
+depend on the machine, and where the step is bound by its dispatches (docs/results.md, "On a
+GPU") they are what to reduce.
 
     python experiments/device_ops.py                    # one request of 4 samples, plain decoding
-    python experiments/device_ops.py --n 16 --spec hybrid
+    python experiments/device_ops.py --n 16 --spec hybrid --cpu-forms
 """
 
 from __future__ import annotations
@@ -59,11 +61,20 @@ def main() -> None:
     parser.add_argument("--spec", default="plain", choices=("plain", "consensus", "hybrid"))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=15, help="operations listed")
+    parser.add_argument("--cpu-forms", action="store_true",
+                        help="the portable path's CPU forms: the attention in two softmax halves merged by "
+                             "log-sum-exp and the element-wise RMS norm, instead of one attention call over the "
+                             "concatenated keys and torch's rms_norm (what a GPU runs)")
     args = parser.parse_args()
 
     # As on a GPU: the portable attention, no compiled kernel.
     attention.kernel_for = lambda device: attention._reference_kernel
     attention.compiled_kernel = lambda device: None
+    attention.concat_keys = lambda device: not args.cpu_forms
+    if not args.cpu_forms:
+        from multispec.models.llama import RMSNorm
+
+        RMSNorm.forward = RMSNorm.library_norm
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.reasoning import load_gsm8k
 
@@ -94,7 +105,8 @@ def main() -> None:
     print(f"n {args.n}, {args.spec}: {steps} decode steps; aten operations per step {total / steps:.0f} "
           f"(views and type queries {views / steps:.0f}), in the attention {sum(inside.ops.values()) / steps:.0f} "
           f"({sum(inside.ops.values()) / steps / layers:.0f} a layer); host reads per step "
-          f"{sum(reads.reads.values()) / steps:.1f} ({', '.join(f'{k} {v / steps:.1f}' for k, v in reads.reads.most_common())})")
+          f"{sum(reads.reads.values()) / steps:.1f} "
+          f"({', '.join(f'{k} {v / steps:.1f}' for k, v in reads.reads.most_common())})")
     for name, count in ops.ops.most_common(args.top):
         print(f"  {name:36s} {count / steps:7.1f} a step")
 

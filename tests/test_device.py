@@ -65,6 +65,8 @@ AUDITED = {
     "sampled, specinfer": (SpecConfig(drafter="consensus", sampled_drafts=True, scheme="specinfer", adaptive=False),
                            dict(temperature=0.9)),
     "ngram": (SpecConfig(drafter="ngram", adaptive=False), dict(temperature=0.7)),
+    "portable path as on a GPU": (SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=6,
+                                             adaptive=False), dict(temperature=0.7)),
 }
 
 
@@ -73,6 +75,13 @@ def test_generation_never_mixes_host_and_device_tensors(llm, name, monkeypatch):
     """Two prompts (two prompt groups in one step) through every mode; stop strings and a short
     max_tokens retire samples mid-run. Fails with the offending operation if any step mixes."""
     spec, sampling = AUDITED[name]
+    if name == "portable path as on a GPU":  # no compiled kernel; concatenated keys, torch's rms_norm
+        from multispec.engine import attention
+        from multispec.models.llama import RMSNorm
+
+        monkeypatch.setattr(attention, "compiled_kernel", lambda device: None)
+        monkeypatch.setattr(attention, "concat_keys", lambda device: True)
+        monkeypatch.setattr(RMSNorm, "forward", RMSNorm.library_norm)
     # Every cache made during the run counts as on the device, as its explicit ``device=`` puts it
     # there on a GPU: also a scratch engine's (the draft budget's first calibration), whose CPU
     # store is mapped memory the audit cannot see being placed.

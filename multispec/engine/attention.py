@@ -209,11 +209,11 @@ class _Part:
         # As an additive mask [P, 1, G*W, K], rows in the order attend lays queries out (query
         # head within its kv group, then draft row); none where every key is visible.
         self.own_mask = None
+        group = cache.config.num_attention_heads // cache.config.num_key_value_heads
+        own_visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
         if not bool(visible.all()):
-            group = cache.config.num_attention_heads // cache.config.num_key_value_heads
-            visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
-            self.own_mask = torch.zeros(visible.shape, dtype=cache.sample_k.dtype)
-            self.own_mask.masked_fill_(~visible, float("-inf"))
+            self.own_mask = torch.zeros(own_visible.shape, dtype=cache.sample_k.dtype)
+            self.own_mask.masked_fill_(~own_visible, float("-inf"))
 
         # Members grouped by prompt slot: each prompt's keys are read once for all its samples.
         # Queries are laid out [prompt, member, ...] (padded to the largest group) so every
@@ -248,8 +248,19 @@ class _Part:
             if self.prompt_mask is not None:
                 self.prompt_mask = self.prompt_mask[self.sample_group]
         device = cache.sample_k.device
+        # Off the CPU: each member's prompt and own keys as one sequence, one fused attention call
+        # a layer (see ``concat_keys``), under one boolean mask [P, 1, G*W, prompt + own keys].
+        self.concat = concat_keys(device)
+        self.member_prompt = self.concat_mask = None
+        if self.concat:
+            self.member_prompt = torch.tensor(slots)
+            prompt_visible = torch.arange(self.prompt_len)[None, :] < torch.tensor(lengths)[:, None]  # [P, plen]
+            mask = torch.cat((prompt_visible[:, None, None, :].expand(size, 1, group * width, self.prompt_len),
+                              own_visible), dim=-1)
+            self.concat_mask = None if bool(mask.all()) else mask
+            self.own_mask = self.prompt_mask = None  # the halves are not run
         for name in ("members", "member_slots", "member_of", "index_of", "rows", "sample_group", "sample_member",
-                     "group_slots", "prompt_mask", "own_mask"):
+                     "group_slots", "prompt_mask", "own_mask", "member_prompt", "concat_mask"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -280,6 +291,32 @@ class _Part:
         else:
             own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.member_slots)
             own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.member_slots)
+        if self.concat:
+            out = self._concatenated(layer, q_rows, own_k, own_v)
+        else:
+            out = self._halves(layer, q_rows, own_k, own_v)
+        out = out.view(size, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(size, width, heads, dim)
+        return out.reshape(size * width, heads, dim) if self.full else out[self.member_of, self.index_of]
+
+    def _concatenated(self, layer: int, q_rows: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor) -> torch.Tensor:
+        """[P, kvh, G*W, D]: every member's rows against its prompt's keys and its own, concatenated."""
+        cache, plen = self.cache, self.prompt_len
+        if self.single:
+            slot, size = self.single_slot, self.size
+            pk = cache.prompt_k[layer, slot: slot + 1, :, :plen].expand(size, -1, -1, -1)
+            pv = cache.prompt_v[layer, slot: slot + 1, :, :plen].expand(size, -1, -1, -1)
+        else:
+            pk = cache.prompt_k[layer, :, :, :plen].index_select(0, self.member_prompt)
+            pv = cache.prompt_v[layer, :, :, :plen].index_select(0, self.member_prompt)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_rows, torch.cat((pk, own_k), 2), torch.cat((pv, own_v), 2), attn_mask=self.concat_mask,
+            scale=q_rows.shape[-1] ** -0.5)
+
+    def _halves(self, layer: int, q_rows: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor) -> torch.Tensor:
+        """[P, kvh, G*W, D]: the prompt and own halves, each a softmax, merged by their log-sum-exp."""
+        cache = self.cache
+        size, rows, dim = self.size, q_rows.shape[2], q_rows.shape[3]
+        kv_heads = q_rows.shape[1]
         own_out, own_lse = self.kernel(q_rows, own_k, own_v, self.own_mask)    # [P, kvh, G*W, D], [P, kvh, G*W]
 
         # Prompt half: [prompts, kvh, members * G*W, D] against each prompt's keys.
@@ -312,9 +349,7 @@ class _Part:
         pre_out, pre_lse = per_member(pre_out), per_member(pre_lse[..., None])
         # The two softmax halves merged exactly: each half weighted by its share of the total mass.
         share = torch.sigmoid(pre_lse - own_lse[..., None]).to(own_out.dtype)
-        out = torch.lerp(own_out, pre_out, share)
-        out = out.view(size, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(size, width, heads, dim)
-        return out.reshape(size * width, heads, dim) if self.full else out[self.member_of, self.index_of]
+        return torch.lerp(own_out, pre_out, share)
 
 
 def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -337,6 +372,16 @@ def _reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def concat_keys(device: torch.device) -> bool:
+    """Whether the portable attention reads each sample's prompt keys and own keys as one
+    concatenated sequence, in one ``scaled_dot_product_attention`` call a layer, instead of two
+    softmax halves merged by their log-sum-exp (about a dozen operations each). Off the CPU: a
+    decode step on a GPU is bound by dispatching its operations (docs/results.md, "On a GPU"), and
+    copying a prompt's keys for each of its samples costs little there. On a CPU the halves read a
+    prompt's keys once for all its samples, which is what counts there."""
+    return device.type != "cpu"
 
 
 def compiled_kernel(device: torch.device):

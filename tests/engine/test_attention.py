@@ -61,7 +61,8 @@ def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int
                        attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_ids=[])
 
 
-def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
+@pytest.mark.parametrize("concat", [False, True], ids=["halves", "concatenated"])
+def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(concat, monkeypatch):
     # (a step with scratch positions always takes the portable path)
     """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
     living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
@@ -84,6 +85,7 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
                         tree_mask=torch.eye(2, dtype=torch.bool).expand(2, 2, 2).clone(), slots=torch.tensor(slots), scratch=torch.tensor(scratch), scratch_mask=sees)
     q = torch.randn(3, 4, 8, generator=gen)
     k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    monkeypatch.setattr("multispec.engine.attention.concat_keys", lambda device: concat)
     out = DecodeAttention(cache, layout).attend(0, q, k, v)
     row = 0
     for b, (slot, w, s, c) in enumerate(zip(slots, written, scratch, counts)):
@@ -101,12 +103,15 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors():
 @pytest.mark.parametrize("prompt_slots", [[0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 2, 2], [0, 0, 0, 1, 1, 2], [1, 1, 2, 2, 0, 0]],
                          ids=["prompt-major-equal", "interleaved", "unequal", "slots-out-of-order"])
 @pytest.mark.parametrize("counts", [[1] * 6, [2, 1, 1, 2, 1, 1]], ids=["plain", "drafted"])
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "portable"])
-def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, compiled):
+@pytest.mark.parametrize("compiled", [True, False, "concatenated"], ids=["compiled", "portable", "concatenated"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-part", "split"])
+def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, compiled, split, monkeypatch):
     """Six samples of three prompts of different lengths, grouped in order, interleaved, in groups
     of unequal size and with prompt slots out of order (the prompt half scatters them into one
     padded prompt-major layout): each row attends to its own prompt, its own text and its
-    ancestors, against attention written out key by key."""
+    ancestors, against attention written out key by key. "concatenated": the portable path as it
+    runs off the CPU (``concat_keys``), each sample's prompt and own keys in one call. "split":
+    the drafted steps in two parts (root rows in place, draft rows gathered)."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     config = _config()
@@ -125,8 +130,12 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, c
     rows = sum(counts)
     q = torch.randn(rows, 4, 8, generator=gen)
     k, v = torch.randn(rows, 2, 8, generator=gen), torch.randn(rows, 2, 8, generator=gen)
-    attention = DecodeAttention(cache, layout, split=False, compiled=compiled)
+    concat = compiled == "concatenated"
+    monkeypatch.setattr("multispec.engine.attention.concat_keys", lambda device: concat)
+    compiled = compiled is True
+    attention = DecodeAttention(cache, layout, split=split, compiled=compiled)
     assert (attention.op is not None) == (compiled and COMPILED)
+    assert all(part.concat == concat for part in attention.parts)
     out = attention.attend(0, q, k, v)
     row = 0
     for b, (slot, w, c) in enumerate(zip(prompt_slots, written, counts)):
@@ -249,3 +258,28 @@ def test_compiled_kernel_is_built_where_a_compiler_is(monkeypatch):
     assert COMPILED
     monkeypatch.setenv("MULTISPEC_KERNELS", "0")
     assert kernels.decode_attention() is None
+
+
+def test_concatenated_attention_decodes_as_the_halves(llm, monkeypatch):
+    """The default model on the portable path (no compiled kernel), two prompts in one step,
+    plain greedy decoding and a greedy consensus tree: the attention as it runs off the CPU
+    (``concat_keys``: prompt and own keys in one call) gives the tokens the two merged halves
+    give. Float32, whose rounding is far below the gaps between real logits."""
+    from multispec import SamplingParams, SpecConfig
+    from multispec.engine import attention
+
+    monkeypatch.setattr(attention, "compiled_kernel", lambda device: None)
+    prompts = ["The capital of France is Paris. The capital of Spain is Madrid. The capital of",
+               "Count: 1, 2, 3, 4, 5,"]
+    params = [SamplingParams(n=2, temperature=0, max_tokens=20), SamplingParams(n=3, temperature=0, max_tokens=14)]
+    runs = {}
+    for concat in (False, True):
+        monkeypatch.setattr(attention, "concat_keys", lambda device: concat)
+        for name, spec in (("plain", SpecConfig(drafter="none")),
+                           ("tree", SpecConfig(drafter="consensus", max_draft_tokens=3, max_draft_nodes=6,
+                                               adaptive=False))):
+            outputs = llm.generate(prompts, params, spec, use_tqdm=False)
+            runs[concat, name] = [[o.token_ids for o in r.outputs] for r in outputs]
+    assert runs[True, "plain"] == runs[False, "plain"]
+    assert runs[True, "tree"] == runs[False, "tree"]
+    assert runs[False, "tree"] == runs[False, "plain"]  # greedy drafts change nothing

@@ -163,3 +163,21 @@ def test_packed_weights_compute_the_same_products_and_give_back_the_checkpoint(k
     state = packed.state_dict()
     for name, value in plain.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_library_rms_norm_is_the_elementwise_one(dtype, atol):
+    """The norm as it runs off the CPU (torch's ``rms_norm``, one call) against the element-wise
+    form the CPU runs, on activations of the default model's size and spread: equal to float32
+    rounding, and in bf16 to a rounding of the output (both cast to bf16 at the same point). Fails
+    with the eps left out or the weight applied before the cast."""
+    from multispec.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) * 2)
+    norm = norm.to(dtype)
+    x = (torch.randn(37, 576, generator=gen) * torch.logspace(-3, 1, 37)[:, None]).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(norm.library_norm(x), norm(x), atol=atol, rtol=atol)
