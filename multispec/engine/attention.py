@@ -209,9 +209,13 @@ class _Part:
         # As an additive mask [P, 1, G*W, K], rows in the order attend lays queries out (query
         # head within its kv group, then draft row); none where every key is visible.
         self.own_mask = None
+        device = cache.sample_k.device
+        self.concat = concat_keys(device)  # one attention call over prompt and own keys (below)
         group = cache.config.num_attention_heads // cache.config.num_key_value_heads
-        own_visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
-        if not bool(visible.all()):
+        seen_all = bool(visible.all())
+        if not seen_all or self.concat:
+            own_visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
+        if not seen_all and not self.concat:
             self.own_mask = torch.zeros(own_visible.shape, dtype=cache.sample_k.dtype)
             self.own_mask.masked_fill_(~own_visible, float("-inf"))
 
@@ -247,10 +251,8 @@ class _Part:
             self.group_slots = torch.tensor(slots)
             if self.prompt_mask is not None:
                 self.prompt_mask = self.prompt_mask[self.sample_group]
-        device = cache.sample_k.device
         # Off the CPU: each member's prompt and own keys as one sequence, one fused attention call
         # a layer (see ``concat_keys``), under one boolean mask [P, 1, G*W, prompt + own keys].
-        self.concat = concat_keys(device)
         self.member_prompt = self.concat_mask = None
         if self.concat:
             self.member_prompt = torch.tensor(slots)
@@ -258,7 +260,7 @@ class _Part:
             mask = torch.cat((prompt_visible[:, None, None, :].expand(size, 1, group * width, self.prompt_len),
                               own_visible), dim=-1)
             self.concat_mask = None if bool(mask.all()) else mask
-            self.own_mask = self.prompt_mask = None  # the halves are not run
+            self.prompt_mask = None  # the halves are not run
         for name in ("members", "member_slots", "member_of", "index_of", "rows", "sample_group", "sample_member",
                      "group_slots", "prompt_mask", "own_mask", "member_prompt", "concat_mask"):
             value = getattr(self, name)

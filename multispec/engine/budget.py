@@ -337,12 +337,11 @@ class DraftBudget:
         for length in range(1, self.max_depth + 1):
             gained = others + batch * (1.0 + self.expected_accepted(length))
             nodes = self.width * length
-            step = seconds(total + batch * nodes, total, 1 + nodes, context, batch) + length * per_depth
-            rate = gained / step
+            forward = seconds(total + batch * nodes, total, 1 + nodes, context, batch)
+            rate = gained / (forward + length * per_depth)
             if rate > best_rate * (1.02 if best else 1.0):  # prefer the shorter draft unless the longer clearly wins
                 best, best_rate = length, rate
             # The step alone, without the draft model's seconds: those a probe measures again.
-            forward = step - length * per_depth
             could_pay = (others + batch * (1.0 + length)) / forward > MARGIN * plain
             if could_pay and rate > probe_rate * 1.02:
                 probe, probe_rate = length, rate
