@@ -60,7 +60,9 @@ class LLM:
     if there is one, else the CPU); drafting always runs on the CPU. ``dtype`` of the weights, the
     activations and the KV cache ("auto": bfloat16 where the hardware computes it natively, see
     ``multispec.devices``; logits, sampling and verification are float32 whatever it is); the one
-    chosen is ``self.dtype``. ``engine`` is the ``LLMEngine`` every call steps.
+    chosen is ``self.dtype``. ``engine`` is the ``LLMEngine`` every call steps. The first ``LLM`` of a
+    process freezes the interpreter's heap out of the garbage collector's way (``gc.freeze``, see
+    ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
