@@ -12,7 +12,8 @@ batched, at temperature 0.7 and 1.0. Rows:
   of up to ``--depth`` tokens, every step at full depth (decision model off, ``adaptive=False``):
   what the head itself achieves;
 - model-w2-decision: as model-w2 with the head's decision model stopping chains (the ablation of
-  the decision model against fixed depth);
+  the decision model against fixed depth; the other ablation, trees rooted in the target's token
+  against a first level the head proposes itself, is ``experiments/head_first_level.py``);
 - model-auto: SpecConfig(drafter="model"): one candidate, the decision model and the adaptive draft
   budget, the setting a user gets by asking for the draft model;
 - consensus-fixed, hybrid-fixed: sibling drafts alone and merged with the head's top 2 candidates
