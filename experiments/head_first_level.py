@@ -11,15 +11,18 @@ proposal c is verified against p like any draft, accepted with probability min(1
 
 This script measures what rooting gains, exactly and within the engine: ``HeadFirstDrafter`` (one
 candidate, chains of fixed depth) drafts as the head-proposed scheme would, then keeps its chain
-with the probability that scheme's first level would be accepted. The engine's root r is drawn
-from p; given r, a maximal coupling of the head's proposal c ~ q with r ~ p has c = r with
-probability min(1, q(r) / p(r)) (its marginal: the sum over r of min(p, q), the first level's
-acceptance); when c = r the chain after c is the chain after r, drafted from the head's predicted
-feature (not the target's) as it would be. So each step keeps the chain with that probability,
-drawn from its own generator, and offers no draft otherwise: tau and acceptance are those of the
-head-proposed scheme, and the output law is the engine's (a draft tree may depend on anything
-known before verification; it is verified as any other). The chain is drafted for every sample
-and dropped where the coupling rejects it, as the scheme too drafts before it knows.
+with the probability that scheme's first level would be accepted. The engine drew its root r from
+a law p': the target's p at a bonus position, the residual norm((p - q)+) where the last step's
+draft was rejected (the head-proposed scheme would verify its proposal against the same law).
+Given r, a maximal coupling of the head's proposal c ~ q with r ~ p' has c = r with probability
+min(1, q(r) / p'(r)) (its marginal: the sum over r of min(p', q), the first level's acceptance);
+when c = r the chain after c is the chain after r, drafted from the head's predicted feature (not
+the target's) as it would be. So each step keeps the chain with that probability, drawn from its
+own generator, and offers no draft otherwise: tau and acceptance are those of the head-proposed
+scheme, and the output law is the engine's (a draft tree may depend on anything known before
+verification; it is verified as any other). p'(r) is recomputed from the step's logits in float32
+after verification (``record_root_laws``). The chain is drafted for every sample and dropped where
+the coupling rejects it, as the scheme too drafts before it knows.
 
     python experiments/head_first_level.py                     # one request of 4, T 0.7 and 1.0, 3 runs
     python experiments/head_first_level.py --depth 3 --runs 1
@@ -53,16 +56,12 @@ class HeadFirstDrafter(ModelDrafter):
         if self.width != 1:
             raise ValueError(f"{NAME} drafts single chains (num_candidates=1)")
         self.root_prob: dict[int, float] = {}
-        """Per sample, the target's probability of its newest token (the root) as drawn."""
+        """Per sample, the probability of its newest token (the root) under the law it was drawn
+        from (set by ``record_root_laws`` after each verification)."""
         self.coupling = np.random.default_rng(0)
         self.column = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
         self.column[self.vocab_ids] = torch.arange(self.vocab_ids.numel(), device=self.device)
         self.offered = self.kept = 0
-
-    def observe(self, sample_id: int, new_tokens: list[int], token_probs=None, alternatives=None) -> None:
-        super().observe(sample_id, new_tokens, token_probs, alternatives)
-        if new_tokens and token_probs:
-            self.root_prob[sample_id] = float(token_probs[-1])
 
     def remove(self, sample_id: int) -> None:
         super().remove(sample_id)
@@ -106,6 +105,37 @@ class HeadFirstDrafter(ModelDrafter):
         return super()._child_probs(rows, samples, picks, depth + 1)
 
 
+def record_root_laws(verify, lanes: dict):
+    """``verify`` (``multispec.engine.step.verify``) that also gives each ``HeadFirstDrafter`` the
+    probability of every sample's new root under the law it was drawn from: p at the row it was
+    drawn from, or, where the chain's next node was rejected there, norm((p - q)+) with that node's
+    q (one candidate a depth: recursive rejection is plain speculative sampling)."""
+
+    def wrapped(step, logits, alternatives):
+        results = verify(step, logits, alternatives)
+        for b, (sample, tree, result) in enumerate(zip(step.samples, step.trees, results)):
+            lane = lanes.get(sample.request.lane)
+            drafter = None if lane is None else lane.drafter
+            if not isinstance(drafter, HeadFirstDrafter):
+                continue
+            node = result.path[-1] if result.path else -1
+            row = step.row_offsets[b] + 1 + node
+            temperature = sample.request.params.temperature
+            p = torch.softmax(logits[row].float() / temperature, -1)
+            child = node + 1  # a chain: node j's child is j + 1
+            if tree.tokens and child < len(tree.tokens) and tree.q is not None:
+                q = tree.q[child].float()
+                residual = (p - q).clamp_min(0)
+                law = float(residual[result.bonus]) / max(float(residual.sum()), 1e-30)
+            else:
+                law = float(p[result.bonus])
+            drafter.root_prob[sample.sample_id] = law
+        return results
+
+    return wrapped
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depth", type=int, default=5)
@@ -127,6 +157,7 @@ def main() -> None:
         module.HEAD_DRAFTERS = (*module.HEAD_DRAFTERS, NAME)
 
     llm = LLM()
+    engine_module.verify = record_root_laws(engine_module.verify, llm.engine.lanes)
     conversations = [p.chat() for p in load_gsm8k(limit=args.questions)]
     fixed = dict(max_draft_tokens=args.depth, num_candidates=1, adaptive=False, decision_threshold=0.0)
     rows = {"none": SpecConfig(), "target-rooted": SpecConfig(drafter="model", **fixed),
