@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    if any(t <= 0 for t in temperatures):
+        parser.error("--temperatures must be above 0: the coupling emulates drawn proposals")
 
     import multispec.engine.engine as engine_module
     import multispec.params as params_module
@@ -167,7 +170,7 @@ def main() -> None:
           f"{args.runs}\n")
     print("| T | row | tau | acceptance | speedup (runs) | first level kept |")
     print("|---|---|---|---|---|---|")
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    for temperature in temperatures:
         warm_up(llm, conversations[0], args.n, temperature, list(rows.values()))
         measured: dict[str, list] = {label: [] for label in rows}
         kept = []
