@@ -48,6 +48,7 @@ def _freeze_heap() -> None:
     gc.collect()
     gc.freeze()
 
+
 class LLM:
     """A loaded model that draws n samples per prompt.
 
