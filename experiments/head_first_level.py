@@ -81,9 +81,9 @@ class HeadFirstDrafter(ModelDrafter):
     def _root_probs(self, sample_ids: list[int]) -> torch.Tensor:
         """The head's q at the root's position from the window one pair back, the coupling's
         verdict per sample, then the head's state fed the root: the q of the chain's first node."""
-        shifted_features = {s: list(self.features[s])[:-1] if ready else list(self.features[s])
+        shifted_features = {s: list(self.features[s])[:-1] if ready else self.features[s]
                             for s, ready in zip(sample_ids, self._ready)}
-        shifted_tokens = {s: list(self.tokens[s])[:-1] if ready else list(self.tokens[s])
+        shifted_tokens = {s: list(self.tokens[s])[:-1] if ready else self.tokens[s]
                           for s, ready in zip(sample_ids, self._ready)}
         features, tokens = self.features, self.tokens
         self.features, self.tokens = shifted_features, shifted_tokens
