@@ -188,17 +188,19 @@ def test_tile_path_runs_and_agrees_with_the_vector_path(monkeypatch):
 
 
 @pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
-@pytest.mark.parametrize("amx", ["1", "0"], ids=["tiles", "vectors"])
-def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(amx, monkeypatch):
+@pytest.mark.parametrize("amx,dtype", [("1", torch.bfloat16), ("0", torch.bfloat16), ("0", torch.float32)],
+                         ids=["tiles", "vectors", "float32"])
+def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(amx, dtype, monkeypatch):
     """With AMX the prompt half runs sixteen query rows of a prompt's samples to a tile: each
     sample's output must still be bit for bit what it is when the sample is alone in the step (no
-    padding, blocking or order effect), on both paths. Six samples of three prompts, plain and
+    padding, blocking or order effect), on both paths and in float32 (whose scores run eight keys
+    to a block where the CPU has AVX2 but no AVX-512). Six samples of three prompts, plain and
     drafted, slots out of order."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from tests.helpers import tree_mask_of
 
     monkeypatch.setenv("MULTISPEC_AMX", amx)
-    out, _ = _compiled_on_trees(torch.bfloat16, True)
+    out, _ = _compiled_on_trees(dtype, True)
     cache, layout, q, k, v = _compiled_on_trees.last
     row = 0
     for b, count in enumerate(layout.counts.tolist()):
