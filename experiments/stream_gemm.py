@@ -1,9 +1,9 @@
 """A decode step's matrix products streaming each weight once (on AMX tiles, or AVX512-BF16 vectors
-where the CPU has no tiles), against oneDNN.
+where the CPU has no tiles; float32 on AVX2 vectors where it has no AVX-512), against oneDNN.
 
 Times all products of a 30-layer stack shaped like the default model (fused q/k/v 960 x 576, o
 576 x 576, fused gate/up 3072 x 576, down 576 x 1536, then the 49,152 x 576 output head; 256 MiB
-of bf16 weights, far larger than any cache) at 1 to 128 rows: oneDNN's linear on weights
+of bf16 weights, 512 MiB in float32, far larger than any cache) at 1 to 128 rows: oneDNN's linear on weights
 prepacked for it (the engine's product before) and ``multispec.stream_linear`` on weights laid out
 for the tiles. Interleaved, median of several passes. Also prints the machine's read bandwidth
 (one ``sum`` over 1 GiB), the floor of any product that reads its weights once, and the layer
@@ -54,23 +54,24 @@ def main() -> None:
         return steps(args)
     torch.manual_seed(0)
     if not kernels.stream_available():
-        raise SystemExit("this CPU has neither AMX tiles nor AVX512-BF16 (or the kernels are off)")
-    print("streaming on", {2: "AMX tiles", 1: "AVX512-BF16 vectors"}[kernels.stream_kind()])
+        raise SystemExit("this CPU has neither AMX tiles, AVX512-BF16 nor AVX2 (or the kernels are off)")
+    print("streaming on", {2: "AMX tiles", 1: "AVX512-BF16 vectors", 3: "AVX2 vectors (float32)"}[kernels.stream_kind()])
     ops = torch.ops.multispec
-    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for _ in range(30) for n, k in SHAPES]
-    weights.append(torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05)
+    dtype = kernels.stream_dtype()
+    weights = [torch.randn(n, k, dtype=dtype) * 0.05 for _ in range(30) for n, k in SHAPES]
+    weights.append(torch.randn(49152, 576, dtype=dtype) * 0.05)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     stream = [ops.stream_pack(w) for w in weights]
     big = torch.ones(1 << 29, dtype=torch.bfloat16)
     read = statistics.median(timed(lambda: big.sum()) for _ in range(5))
     del big
-    total = sum(w.numel() * 2 for w in weights)
+    total = sum(w.numel() * w.element_size() for w in weights)
     print(f"read bandwidth {2 ** 30 / read / 1e9:.1f} GB/s: weights {total / 2 ** 20:.0f} MiB read once "
           f"= {total / (2 ** 30 / read) * 1e3:.1f} ms")
 
     # Correctness against a float32 reference on each shape.
     for w, s in zip(weights[:4] + weights[-1:], stream[:4] + stream[-1:]):
-        x = torch.randn(37, w.shape[1], dtype=torch.bfloat16)
+        x = torch.randn(37, w.shape[1], dtype=dtype)
         ref = x.float() @ w.float().T
         got = ops.stream_linear(x, s, None).float()
         err = ((got - ref).abs() / (ref.abs() + 1e-2)).max().item()
@@ -79,7 +80,7 @@ def main() -> None:
     print("| rows | oneDNN ms | stream ms | ratio | layers cold ms | layers hot ms |")
     print("|---|---|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
-        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        xs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
         a_runs, b_runs = [], []
 
         def run_onednn():

@@ -397,7 +397,7 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled,
-            "stream_products": kernels.stream_kind() if device.type == "cpu" and engine.dtype == torch.bfloat16 else 0}
+            "stream_products": kernels.stream_kind() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0}
 
 
 def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:

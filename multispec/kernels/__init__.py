@@ -7,14 +7,14 @@ matrix and per call that dominates small decode steps on a CPU), the whole layer
 one; the same file holds a draft head's layer for one depth of its tree), the step's target
 distribution from its logits and the draws from it (``sampling.cpp``; four passes over a [rows,
 vocabulary] matrix and some fifteen small operators in the Python path) and the matrix products of
-a step's rows on AMX tiles or AVX512-BF16 vectors (``stream_gemm.cpp``; bound by reading the
-weights, which the CPU library's product does at about half the machine's bandwidth). Their
-parallel loops share one work split (``common.h``, tested through ``schedule.cpp``): each thread
-starts on its own share and a thread that runs out takes items from another's. They are compiled
-once per machine, torch version and source (about 20 seconds on a 2-core CPU) into the cache
-directory (``MULTISPEC_CACHE``, default ``~/.cache/multispec``) with ``-O3 -march=native``. Where
-they cannot be built (no compiler, no ninja) the engine keeps its portable path and says so once;
-``MULTISPEC_KERNELS=0`` turns them off.
+a step's rows on AMX tiles or AVX512-BF16 vectors, or in float32 on AVX2 vectors where the CPU has
+no AVX-512 (``stream_gemm.cpp``; bound by reading the weights, which the CPU library's product does
+at about half the machine's bandwidth). Their parallel loops share one work split (``common.h``,
+tested through ``schedule.cpp``): each thread starts on its own share and a thread that runs out
+takes items from another's. They are compiled once per machine, torch version and source (about 20
+seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
+``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no
+ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attentio
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 """Compiler flags. GCC vectorises for 256-bit registers on AVX-512 CPUs unless told otherwise; the
 kernels' loops (exponentials, sums over a row) ran 15-25% faster with the full width here (the
-softmax of 128 rows of 49k logits, 6.0-6.4 -> 4.4-5.5 ms); without AVX-512 the flag does nothing."""
+softmax of 128 rows of 49k logits, 6.0-6.4 -> 4.4-5.5 ms); without AVX-512 the flag does nothing.
+``-fno-trapping-math``: without AVX-512's masks GCC would not vectorise a loop with a conditional
+around a floating-point operation that might trap (silu, the softmaxes' exponentials ran one float
+at a time on AVX2); nothing here reads floating-point exception flags, and no result changes."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -100,9 +103,15 @@ def stream_available() -> bool:
 def stream_kind() -> int:
     """How ``stream_linear`` multiplies here: 2 on AMX tiles (the CPU has them, Linux grants them
     and ``MULTISPEC_AMX`` is not "0"), 1 on AVX512-BF16 vectors (the kernels were built for a CPU
-    that has them), 0 not at all (neither, the kernels are off, or ``MULTISPEC_STREAM`` is "0": the
-    CPU library's product). The variables are read at every call, so a comparison can switch."""
+    that has them), both bf16; 3 float32 on AVX2 vectors (a CPU with AVX2 and FMA but no AVX-512);
+    0 not at all (none of these, the kernels are off, or ``MULTISPEC_STREAM`` is "0": the CPU
+    library's product). The variables are read at every call, so a comparison can switch."""
     return int(torch.ops.multispec.stream_kind()) if _op("stream_kind") is not None else 0
+
+
+def stream_dtype() -> torch.dtype | None:
+    """The dtype whose weights ``stream_linear`` streams here (see ``stream_kind``), or None."""
+    return {1: torch.bfloat16, 2: torch.bfloat16, 3: torch.float32}.get(stream_kind())
 
 
 def _op(name: str):
