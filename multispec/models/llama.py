@@ -54,9 +54,9 @@ product at every row count from 1 to 128 on a 2-core AMD EPYC (Zen 5), 1.14x at 
 F32_STREAM_ROWS = 512
 """Products of at most this many rows stream their float32 weight through AVX2 vectors where the
 CPU has AVX2 and FMA but no AVX-512 (float32 is the default dtype there): a layer stack's products
-(30 layers and the output head, weights hot) ran 1.75x faster than oneDNN's prepacked product at 1
-row, 1.3-2.1x at 4-16, 1.4x at 32-64 and 1.2x at 192-512 rows on a 2-core AMD EPYC (Zen 2), about
-0.17 TFLOP/s from 64 rows on against 0.13-0.14."""
+(30 layers and the output head) ran 1.4x faster than oneDNN's prepacked product at 1 row, 1.8-2.2x
+at 4-16, 1.4-1.5x at 32-64 and 1.2x at 128-512 rows on a 2-core AMD EPYC (Zen 2), about 0.17
+TFLOP/s from 64 rows on against 0.13-0.14 (``experiments/stream_gemm.py``)."""
 
 
 def stream_rows() -> int:
@@ -261,7 +261,8 @@ def _stream_layout(weight: torch.Tensor) -> torch.Tensor | None:
     out_features, in_features = weight.shape
     if weight.device.type != "cpu" or weight.dtype != kernels.stream_dtype():
         return None
-    if out_features % (32 if weight.dtype == torch.bfloat16 else 16) or (weight.dtype == torch.bfloat16 and in_features % 32):
+    bf16 = weight.dtype == torch.bfloat16
+    if out_features % (32 if bf16 else 16) or (bf16 and in_features % 32):
         return None
     return torch.ops.multispec.stream_pack(weight.detach())
 
