@@ -280,18 +280,18 @@ void f32_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Rows in blocks of at most six, as even as the count allows (16 rows: 6 + 6 + 4).
-  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS, per_block = (rows + blocks - 1) / blocks;
+  // Rows in blocks of at most six whose sizes differ by one at most (16 rows: 5 + 5 + 6).
+  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
   // Items are (panel, block of rows), a panel's blocks adjacent, as in the bf16 vector path.
   multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
     for (int64_t item; (item = shares.next(part)) >= 0;) {
-      const int64_t p = item / blocks, r0 = item % blocks * per_block;
+      const int64_t p = item / blocks, b = item % blocks;
+      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
       const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
       const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
-      const int64_t chunk = std::min(per_block, rows - r0);  // >= 1: (blocks - 1) * per_block < rows
       const float* next = p + 1 < panels ? wp + (p + 1) * k * F32_PANEL : nullptr;
-      kernels[chunk - 1](xp + r0 * k, k, wp + p * k * F32_PANEL, lo, hi, yp + r0 * n + p * F32_PANEL, n, next,
-                         item % blocks, blocks);
+      kernels[chunk - 1](xp + r0 * k, k, wp + p * k * F32_PANEL, lo, hi, yp + r0 * n + p * F32_PANEL, n, next, b,
+                         blocks);
     }
   });
 }
