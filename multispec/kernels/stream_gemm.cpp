@@ -22,8 +22,8 @@
 // K rows of 16 floats (two vectors), and up to six rows of x share each pair of weight vectors
 // (twelve accumulators: enough independent sums to hide the FMA's latency). Each output is its
 // row's x times its column in k order, one FMA per k, plus the bias: again a function of its own
-// row only. On a 2-core Zen 2 this ran the model's products at 0.13 TFLOP/s at 16 rows and 0.17
-// from 64 on, against 0.08-0.10 and 0.12-0.14 for the CPU library's prepacked product.
+// row only. On a 2-core Zen 2 this ran the model's products at 0.16 TFLOP/s at 16 rows and
+// 0.17-0.18 from 48 on, against 0.08-0.10 and 0.12-0.14 for the CPU library's prepacked product.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
