@@ -227,9 +227,10 @@ inline bool score_keys_avx2(const float* qf, int64_t rows, int64_t dim, const sc
 
 // acc_i += sum_j weights[i * stride + j] * value_j, for head sizes of a multiple of 64: one query
 // row at a time, 64 columns at a time, its eight sums in registers while the value rows stream past.
+// (No ``prefetch`` of rows ahead: that is for the AMX path, which needs AVX-512.)
 template <typename scalar_t>
 inline void add_values_avx2(const float* weights, int64_t rows, int64_t stride, int64_t dim, const scalar_t* values,
-                            int64_t step, int64_t count, float* acc, bool prefetch, Ahead* ahead) {
+                            int64_t step, int64_t count, float* acc, Ahead* ahead) {
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t col = 0; col < dim; col += 64) {
       float* a = acc + i * dim + col;
@@ -238,14 +239,6 @@ inline void add_values_avx2(const float* weights, int64_t rows, int64_t stride, 
       for (int64_t j = 0; j < count; ++j) {
         if (i == 0 && ahead != nullptr) ahead->next_values();
         const scalar_t* v = values + j * step + col;
-        if (prefetch && i == 0 && j + 16 < count) {
-          _mm_prefetch(reinterpret_cast<const char*>(v + 16 * step), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v + 16 * step) + 64, _MM_HINT_T0);
-          if constexpr (sizeof(scalar_t) == 4) {
-            _mm_prefetch(reinterpret_cast<const char*>(v + 16 * step) + 128, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v + 16 * step) + 192, _MM_HINT_T0);
-          }
-        }
         const __m256 w = _mm256_set1_ps(weights[i * stride + j]);
         for (int c = 0; c < 8; ++c) sum[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), sum[c]);
       }
@@ -358,7 +351,7 @@ inline void add_values(const float* weights, int64_t rows, int64_t stride, int64
   }
 #endif
 #ifdef MULTISPEC_AVX2
-  if (dim % 64 == 0) return add_values_avx2(weights, rows, stride, dim, values, step, count, acc, prefetch, ahead);
+  if (dim % 64 == 0) return add_values_avx2(weights, rows, stride, dim, values, step, count, acc, ahead);
 #endif
   for (int64_t j = 0; j < count; ++j) {
     load_row(values + j * step, value_buf, dim);
@@ -549,6 +542,12 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       const scalar_t* pk = pkp + prompt_slot[b] * ps0 + h * ps1;
       const scalar_t* ok = okp + sample_slot[b] * os0 + h * os1;
       const bool* mask = tree_mask + b * qmax * qmax;
+      // After scoring every key: the step's new keys outside each row's ancestors get -inf.
+      [[maybe_unused]] auto hide_non_ancestors = [&] {
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t node = 0; node < count; ++node)
+            if (!mask[(i / group) * qmax + node]) scores[i * keys + plen + old + node] = neg_inf;
+      };
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
 #ifdef MULTISPEC_AMX
@@ -566,18 +565,14 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
             score_keys_bf16(qrow, qs1, group, dim, pk, ps2, plen, fscale, s, keys, ahead);
             score_keys_bf16(qrow, qs1, group, dim, ok, os2, own_len, fscale, s + plen, keys, ahead);
           }
-          for (int64_t i = 0; i < rows; ++i)  // new keys outside the row's ancestors
-            for (int64_t node = 0; node < count; ++node)
-              if (!mask[(i / group) * qmax + node]) scores[i * keys + plen + old + node] = neg_inf;
+          hide_non_ancestors();
         }
       }
 #endif
 #ifdef MULTISPEC_AVX2
       if (!fast && score_keys_avx2(qf.data(), rows, dim, pk, ps2, plen, scores.data(), keys, ahead)) {
         score_keys_avx2(qf.data(), rows, dim, ok, os2, own_len, scores.data() + plen, keys, ahead);
-        for (int64_t i = 0; i < rows; ++i)  // new keys outside the row's ancestors
-          for (int64_t node = 0; node < count; ++node)
-            if (!mask[(i / group) * qmax + node]) scores[i * keys + plen + old + node] = neg_inf;
+        hide_non_ancestors();
       } else
 #endif
       if (!fast) {
