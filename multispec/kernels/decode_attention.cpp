@@ -501,7 +501,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       // and its value rows added. The rates above (tuned on AMX tiles) asked for all of them in the
       // first quarter of the scoring and the first half of the values; on a 2-core Zen 2 such bursts
       // stalled the arithmetic (the operator ran faster with no prefetch at all), evenly spread the
-      // operator took 0.83x the time at 16 samples and 0.85x at 64, a decode step of 64 samples 0.86x.
+      // operator took 0.83x the time at 16 samples and 0.85x at 64, a decode step of 64 samples 0.87x.
       if (ahead != nullptr) {
         const int64_t lines = (next_item.bytes + 63) / 64;
         const int64_t blocks = std::max<int64_t>(1, rows * (plen / 8 + own_len / 8));
