@@ -3,10 +3,11 @@
 B samples in flight (one GSM8K question in the chat template, n = B, T 0.7), plain steps until
 every sample has ``--context`` tokens, then ``--steps`` steps profiled. Prints the operators by
 self CPU time and the share of the step spent in matrix products (mm/bmm/addmm/linear kernels,
-and the products of a few rows on AMX tiles) against everything else. Products that the compiled
-layer stack (``multispec::decode_layers``) makes are calls from C++ the profiler does not see: they
-count in that operator's own time, and the share printed is then that of the output head alone
-(``MULTISPEC_KERNELS=0`` shows every product, on the slower portable path).
+the streaming products of a few rows) against everything else. The compiled layer stack
+(``multispec::decode_layers``) runs each part of a layer under a profiler scope
+(``multispec::layers.qkv_product``, ``.attention``, ``.norm``, ...): they are listed with the
+operators, summed per step in a table of their own, and its products count as products
+(``MULTISPEC_KERNELS=0`` shows the portable path's operators instead).
 
     python benchmarks/profile_step.py --samples 16
     python benchmarks/profile_step.py --samples 128 --dtype float32
@@ -50,10 +51,17 @@ def main() -> None:
     engine.abort("profile")
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
-    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL)
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL or e.key.endswith("_product"))
     print(f"{args.samples} samples, {args.context} tokens in, {llm.dtype}: {1e3 * wall:.1f} ms a step "
-          f"(profiled); matrix products {matmul / total:.0%} of operator time, outside the compiled layer "
-          "stack\n")
+          f"(profiled); matrix products {matmul / total:.0%} of operator time\n")
+    parts = sorted((e for e in events if e.key.startswith("multispec::layers.")), key=lambda e: -e.cpu_time_total)
+    if parts:
+        print("| part of the compiled layer stack | ms a step (all layers) | share of the step |")
+        print("|---|---|---|")
+        for e in parts:
+            step_ms = e.cpu_time_total / 1e3 / args.steps
+            print(f"| {e.key.split('.', 1)[1]} | {step_ms:.2f} | {step_ms / (1e3 * wall):.0%} |")
+        print()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

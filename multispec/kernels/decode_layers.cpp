@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -140,6 +141,11 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
                                 std::optional<std::string_view>);
 
+// Each part of a layer runs under a profiler scope named ``multispec::layers.<part>`` (the torch
+// profiler lists them with the operators; they cost a flag test when it is off), so that a
+// profile shows where the compiled stack's time goes.
+#define LAYER_PART(name) RECORD_FUNCTION("multispec::layers." name, std::vector<c10::IValue>())
+
 // The product the Python path's ``Projection`` makes for these rows: the streaming product
 // (stream_gemm.cpp) where the weight has its layout and the rows are within stream_rows, else the
 // library's.
@@ -173,22 +179,52 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   // The tile-streaming layout of product ``kind`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
   auto streamed = [&](size_t kind, size_t layer) { return stream.empty() ? nullptr : &stream[kind * n + layer]; };
   for (size_t layer = 0; layer < n; ++layer) {
-    add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps);
-    at::Tensor fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows)
-                           .view({tokens, heads + 2 * kv_heads, dim});
-    rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
+    {
+      LAYER_PART("norm");
+      add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps);
+    }
+    at::Tensor fused;
+    {
+      LAYER_PART("qkv_product");
+      fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows)
+                  .view({tokens, heads + 2 * kv_heads, dim});
+    }
+    {
+      LAYER_PART("rotary");
+      rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
+    }
     at::Tensor q = fused.narrow(1, 0, heads), k = fused.narrow(1, heads, kv_heads);
     at::Tensor v = fused.narrow(1, heads + kv_heads, kv_heads);
-    at::Tensor attended = multispec::decode_attention(
-        q, k, v, sample_k.select(0, layer), sample_v.select(0, layer), prompt_k.select(0, layer),
-        prompt_v.select(0, layer), sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
-    delta = product(attended.view({tokens, heads * dim}), o[layer], o_bias.get(layer), packed, streamed(1, layer),
-                    stream_rows);
-    add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps);
-    at::Tensor both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, streamed(2, layer), stream_rows);
+    at::Tensor attended;
+    {
+      LAYER_PART("attention");
+      attended = multispec::decode_attention(q, k, v, sample_k.select(0, layer), sample_v.select(0, layer),
+                                             prompt_k.select(0, layer), prompt_v.select(0, layer), sample_slot,
+                                             offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
+    }
+    {
+      LAYER_PART("o_product");
+      delta = product(attended.view({tokens, heads * dim}), o[layer], o_bias.get(layer), packed, streamed(1, layer),
+                      stream_rows);
+    }
+    {
+      LAYER_PART("norm");
+      add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps);
+    }
+    at::Tensor both;
+    {
+      LAYER_PART("gate_up_product");
+      both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, streamed(2, layer), stream_rows);
+    }
     at::Tensor activated = at::empty({tokens, both.size(1) / 2}, x.options());
-    silu_mul<scalar_t>(both, activated);
-    delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows);
+    {
+      LAYER_PART("silu_mul");
+      silu_mul<scalar_t>(both, activated);
+    }
+    {
+      LAYER_PART("down_product");
+      delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows);
+    }
   }
   at::Tensor out = at::empty_like(x);
   add_norm<scalar_t>(x, delta, final_norm, out, eps);
