@@ -7,9 +7,10 @@ Part 1 measures the machine with the model's own tensors:
   best rate the library reaches at that shape).
 
 The floor of a step with B samples each carrying L draft tokens (M = B x (1 + L) rows) is the
-larger of two lower bounds: every weight and every key and value the step attends to read once
-from memory at the measured bandwidth, and the step's matrix products at the measured GEMM rate
-for M rows. Everything else a step does (attention arithmetic, norms, rotary embedding,
+larger of two lower bounds: every weight (in the form the step reads it: a float32 weight's
+integer blocks where it has them and the rows are within their limit) and every key and value
+the step attends to read once from memory at the measured bandwidth, and the step's matrix
+products at the measured GEMM rate for M rows. Everything else a step does (attention arithmetic, norms, rotary embedding,
 sampling, verification, bookkeeping, dispatch) is what the measured step has above its floor.
 
 Part 2 times the engine's steps at those shapes (one request of B samples, ``--context`` tokens
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from multispec.models.llama import Projection
+from multispec.models.llama import Projection, affine_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -84,10 +85,19 @@ def gemm_seconds(model, rows: int, repeats: int = 9) -> tuple[float, float]:
     return seconds, flops
 
 
-def weight_bytes(model) -> int:
+def weight_bytes(model, rows: int = 0) -> int:
+    """Bytes of weights a forward of ``rows`` tokens reads: each product's integer blocks where it
+    reads them at that many rows (float32 weights that are blocks of small integers, see
+    ``Projection.affine``), else the weight in the model's dtype."""
     per_layer, layers = model_products(model)
     element = model.output_weight().element_size()
-    return element * (sum(layers * math.prod(p.shape) for p in per_layer) + model.output_weight().numel())
+
+    def size(product: Projection, count: int) -> int:
+        if rows and getattr(product, "affine", None) is not None and rows <= affine_rows():
+            return count * product.affine.numel()
+        return count * element * math.prod(product.shape)
+
+    return sum(size(p, layers) for p in per_layer) + size(head_product(model), 1)
 
 
 def kv_bytes(config, element: int, samples: int, prompt: int, own: int) -> int:
@@ -124,6 +134,7 @@ def main() -> None:
     shapes = {str(b): (1, b) for b in samples}
     all_rows = sorted({b * (1 + L) for b in samples for L in lengths})
     weights = weight_bytes(model)
+    weights_at = {rows: weight_bytes(model, rows) for rows in all_rows}
     passes = []  # per pass: (bandwidth, {rows: (seconds, flops)}, {(cell, L): step seconds})
     for run in range(args.repeats):
         with torch.inference_mode():
@@ -138,7 +149,9 @@ def main() -> None:
     bandwidth = statistics.median(p[0] for p in passes)
     print(f"{llm.dtype}, {torch.get_num_threads()} threads: read bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
           f"{len(passes)} passes: {', '.join(f'{p[0] / 1e9:.1f}' for p in passes)}); weights "
-          f"{weights / 2**20:.0f} MiB (read once per step: {1e3 * weights / bandwidth:.1f} ms); prompt {prompt} "
+          f"{weights / 2**20:.0f} MiB (read once per step: {1e3 * weights / bandwidth:.1f} ms"
+          + (f"; as integer blocks up to {affine_rows()} rows: {min(weights_at.values()) / 2**20:.0f} MiB"
+             if min(weights_at.values()) < weights else "") + f"); prompt {prompt} "
           f"tokens, {args.context} generated\n")
     print("| rows | GEMM ms (all products) | GEMM TFLOP/s |")
     print("|---|---|---|")
@@ -148,7 +161,7 @@ def main() -> None:
 
     def floor(machine, b: int, L: int) -> tuple[float, str]:
         rate, gemm = machine
-        memory = (weights + kv_bytes(config, element, b, prompt, args.context + L + 1)) / rate
+        memory = (weights_at[b * (1 + L)] + kv_bytes(config, element, b, prompt, args.context + L + 1)) / rate
         compute = gemm[b * (1 + L)][0]
         return (memory, "memory") if memory >= compute else (compute, "GEMM")
 

@@ -95,7 +95,7 @@ def test_generation_never_mixes_host_and_device_tensors(llm, name, monkeypatch):
     mark(*llm.model.parameters(), *llm.model.buffers())
     layers = llm.model.model.layers
     products = [p for layer in layers for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)]
-    mark(*(t for p in products + [llm.model.head] if p is not None for t in (p.weight, p.bias, p.stream)
+    mark(*(t for p in products + [llm.model.head] if p is not None for t in (p.weight, p.bias, p.stream, p.affine)
            if t is not None))
     if llm.model._rope_cache is not None:
         mark(*llm.model._rope_cache)

@@ -24,18 +24,27 @@
 // row's x times its column in k order, one FMA per k, plus the bias: again a function of its own
 // row only. On a 2-core Zen 2 this ran the model's products at 0.16 TFLOP/s at 16 rows and
 // 0.17-0.18 from 48 on, against 0.08-0.10 and 0.12-0.14 for the CPU library's prepacked product.
+//
+// A float32 weight that came from a GGUF file's quantised blocks can also be read as those blocks
+// (affine_pack, affine_stream below): one byte a weight and a float32 scale and offset per 32,
+// rebuilt into float32 in registers as the product runs, bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "amx_attention.h"
 #include "common.h"
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -74,6 +83,90 @@ at::Tensor stream_pack(const at::Tensor& weight) {
       .permute({0, 3, 1, 4, 2, 5})
       .contiguous()
       .view({n / PANEL, k / KBLOCK, 2, 16, 32});
+}
+
+// Float32 weights that are blocks of small integers on a scale: what a GGUF file's quantised
+// weights (Q4_0, Q4_1, Q5_x, Q8_0) are once dequantised. Each block of 32 weights of an output
+// column is scale * q + offset for integers q in [-128, 127], computed as one fused multiply-add,
+// which is how the dequantised float32 values came about (scale * q is exact for a 16-bit scale and
+// a small q, then one rounding) or they would not pass ``affine_pack``'s check. Stored as one byte
+// a weight plus two floats a block, the weight is a third of its float32 size, and a product that
+// reads it from memory waits a third as long; rebuilt bit for bit and multiplied in the float32
+// panel kernels' order, the result is exactly the float32 product's.
+constexpr int64_t AFFINE_BLOCK = 32;                                              // k a block
+constexpr int64_t AFFINE_BYTES = 2 * F32_PANEL * 4 + AFFINE_BLOCK * F32_PANEL;  // scales, offsets, q
+
+// One block of 32 floats (stride ``step``) as scale * q + offset, or false.
+bool affine_block(const float* w, int64_t step, float& scale, float& offset, int8_t* q) {
+  float lo = w[0], hi = w[0], amax = std::fabs(w[0]);
+  for (int64_t i = 1; i < AFFINE_BLOCK; ++i) {
+    lo = std::min(lo, w[i * step]);
+    hi = std::max(hi, w[i * step]);
+    amax = std::max(amax, std::fabs(w[i * step]));
+  }
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+  auto bits = [](float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof(b));
+    return b;
+  };
+  auto fits = [&](float s, float m) {
+    for (int64_t i = 0; i < AFFINE_BLOCK; ++i) {
+      const double r = s == 0.0f ? 0.0 : std::nearbyint((static_cast<double>(w[i * step]) - m) / s);
+      if (r < -128.0 || r > 127.0) return false;
+      q[i] = static_cast<int8_t>(r);
+      if (bits(std::fma(s, static_cast<float>(q[i]), m)) != bits(w[i * step])) return false;
+    }
+    scale = s;
+    offset = m;
+    return true;
+  };
+  // Scales as a GGUF block stores them (float16), and as float32: with the block's minimum as the
+  // offset (q from 0: Q4_1, Q5_1) and with none (q symmetric about 0: Q4_0, Q5_0, Q8_0).
+  const std::pair<float, double> tries[] = {{lo, 15.0}, {lo, 31.0}, {0.0f, 127.0}, {0.0f, 8.0}, {0.0f, 16.0}};
+  for (const auto& [m, levels] : tries) {
+    const double span = m == 0.0f ? amax : static_cast<double>(hi) - lo;
+    const float exact = static_cast<float>(span / levels);
+    const float half = static_cast<float>(c10::Half(exact));
+    for (float s : {half, exact})
+      if (fits(s, m)) return true;
+  }
+  return false;
+}
+
+// [N, K] float32 -> [N / 16, K / 32, AFFINE_BYTES] uint8 (per panel and k block: the 16 columns'
+// scales and offsets as float32, then q[32][16] as int8), or an undefined tensor when the weight is
+// not such blocks (or N % 16 or K % 32 is not 0): None.
+std::optional<at::Tensor> affine_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "affine_pack takes a float32 [out, in] weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  if (n % F32_PANEL != 0 || k % AFFINE_BLOCK != 0 || n == 0 || k == 0) return std::nullopt;
+  const at::Tensor w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  const int64_t panels = n / F32_PANEL, kblocks = k / AFFINE_BLOCK;
+  at::Tensor out = at::empty({panels, kblocks, AFFINE_BYTES}, weight.options().dtype(at::kByte));
+  uint8_t* op = out.data_ptr<uint8_t>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int8_t q[AFFINE_BLOCK];
+    for (int64_t p = begin; p < end && ok.load(std::memory_order_relaxed); ++p) {
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        uint8_t* block = op + (p * kblocks + kb) * AFFINE_BYTES;
+        float* scales = reinterpret_cast<float*>(block);
+        int8_t* qs = reinterpret_cast<int8_t*>(block + 2 * F32_PANEL * 4);
+        for (int64_t c = 0; c < F32_PANEL; ++c) {
+          const float* col = wp + (p * F32_PANEL + c) * k + kb * AFFINE_BLOCK;
+          if (!affine_block(col, 1, scales[c], scales[F32_PANEL + c], q)) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
+          }
+          for (int64_t r = 0; r < AFFINE_BLOCK; ++r) qs[r * F32_PANEL + c] = q[r];
+        }
+      }
+    }
+  });
+  if (!ok.load()) return std::nullopt;
+  return out;
 }
 
 #ifdef MULTISPEC_AMX
@@ -225,7 +318,8 @@ constexpr int64_t F32_PREFETCH = 4096;
 // Rows [0, ROWS) of x times one panel (16 columns) plus the bias into y: each row's two
 // accumulators take k in order, one FMA each. With several row blocks a panel, each block asks
 // for its share of the next panel (``next``, or nullptr) while it computes, into L2: block
-// ``part`` of ``parts`` its rows part * k / parts onwards, one every ``parts`` k. Asked for a fixed
+// ``part`` of ``parts`` its rows part * k / parts onwards, one every ``parts`` k (``parts`` 0 and no
+// ``next``: nothing asked for, the weight is in cache). Asked for a fixed
 // distance ahead instead, a panel's weight came from memory during its first row block only, a
 // third of the panel's time at 16 rows, and the product waited for it (all products of the
 // stack at 16 rows: 29.7-31.3 ms with every weight read from memory against 22.4-23.3 in cache;
@@ -296,6 +390,79 @@ void f32_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, 
   });
 }
 
+// Rows [0, ROWS) of x times one panel of affine_pack'ed weight plus the bias into y, the weight
+// rebuilt in registers as it is multiplied (scale * q + offset, one fused multiply-add: exactly the
+// float32 weight), the packed bytes asked for two blocks ahead. Each row's sums take k in order,
+// one FMA each, as f32_panel's: the same result bit for bit.
+template <int ROWS>
+inline void affine_panel(const float* x, int64_t k, const uint8_t* src, __m256 bias_lo, __m256 bias_hi, float* y,
+                         int64_t n) {
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const int64_t kblocks = k / AFFINE_BLOCK;
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* block = src + kb * AFFINE_BYTES;
+    for (int64_t line = 0; line < AFFINE_BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * AFFINE_BYTES + line), _MM_HINT_T0);
+    const float* scales = reinterpret_cast<const float*>(block);
+    const __m256 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
+    const __m256 m0 = _mm256_loadu_ps(scales + F32_PANEL), m1 = _mm256_loadu_ps(scales + F32_PANEL + 8);
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2 * F32_PANEL * 4);
+    const float* xk = x + kb * AFFINE_BLOCK;
+    for (int64_t r = 0; r < AFFINE_BLOCK; ++r) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * F32_PANEL));
+      const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m0);
+      const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m1);
+#pragma GCC unroll 8
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(xk + m * k + r);
+        acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(y + m * n, _mm256_add_ps(acc[m][0], bias_lo));
+    _mm256_storeu_ps(y + m * n + 8, _mm256_add_ps(acc[m][1], bias_hi));
+  }
+}
+
+using AffinePanel = void (*)(const float*, int64_t, const uint8_t*, __m256, __m256, float*, int64_t);
+
+template <int... R>
+constexpr std::array<AffinePanel, sizeof...(R)> affine_panels(std::integer_sequence<int, R...>) {
+  return {&affine_panel<R + 1>...};
+}
+
+// y [M, N] = x [M, K] @ W^T + bias, float32, W given as affine_pack(W), rows in blocks of at most six
+// as f32_stream. Rebuilding costs about as much arithmetic as six rows' products, so this wins
+// where the float32 product waits on memory: on a 2-core Zen 2 all of the default model's products
+// took 0.46x the float32 stream's time at 1 row, 0.48x at 4, 0.64x at 6, 0.76x at 8, 0.94x at 12,
+// and 1.13x at 16 rows, 1.24x at 32 (``Projection`` uses it up to ``AFFINE_ROWS``). Rebuilding once
+// into a float32 buffer for all row blocks instead was slower from 8 rows on (1.19x at 8).
+void affine_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, at::Tensor& y) {
+  const int64_t rows = x.size(0), panels = packed.size(0), kblocks = packed.size(1);
+  const int64_t k = kblocks * AFFINE_BLOCK, n = panels * F32_PANEL;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
+  static constexpr auto fused = affine_panels(std::make_integer_sequence<int, F32_ROWS>{});
+  // Items are (panel, block of rows), a panel's blocks adjacent: the later blocks rebuild the
+  // panel from its packed bytes in cache.
+  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t item; (item = shares.next(part)) >= 0;) {
+      const int64_t p = item / blocks, b = item % blocks;
+      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
+      const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
+      const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
+      fused[chunk - 1](xp + r0 * k, k, pp + p * kblocks * AFFINE_BYTES, lo, hi, yp + r0 * n + p * F32_PANEL, n);
+    }
+  });
+}
+
 #endif
 
 }  // namespace
@@ -326,6 +493,25 @@ bool stream_available() { return stream_kind() > 0; }
 
 // y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W).
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == AFFINE_BYTES,
+                "stream_linear takes float32 x [rows, in] and an affine_pack'ed weight");
+    const int64_t rows = x.size(0), n = packed.size(0) * F32_PANEL;
+    TORCH_CHECK(x.size(1) == packed.size(1) * AFFINE_BLOCK, "x has ", x.size(1), " columns, the weight ",
+                packed.size(1) * AFFINE_BLOCK);
+    if (bias.has_value() && bias->defined())
+      TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias must be float32 [out]");
+    at::Tensor y = at::empty({rows, n}, x.options());
+    if (rows == 0) return y;
+    TORCH_CHECK(stream_kind() == 3,
+                "stream_linear in float32 needs AVX2 and FMA without AVX-512 on this CPU (and MULTISPEC_STREAM not 0)");
+#ifdef MULTISPEC_F32_STREAM
+    const at::Tensor xin = x.contiguous();
+    const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+    affine_stream(xin, packed.contiguous(), b.defined() ? b.data_ptr<float>() : nullptr, y);
+#endif
+    return y;
+  }
   if (x.scalar_type() == at::kFloat || packed.scalar_type() == at::kFloat) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
                     packed.dim() == 3 && packed.size(2) == F32_PANEL,
@@ -432,6 +618,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("stream_pack(Tensor weight) -> Tensor");
+  m.def("affine_pack(Tensor weight) -> Tensor?");
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("stream_available() -> bool", &multispec::stream_available);
   m.def("stream_kind() -> int", &multispec::stream_kind);
@@ -439,5 +626,6 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("stream_pack", &stream_pack);
+  m.impl("affine_pack", &affine_pack);
   m.impl("stream_linear", &multispec::stream_linear);
 }
