@@ -10,8 +10,9 @@ The floor of a step with B samples each carrying L draft tokens (M = B x (1 + L)
 larger of two lower bounds: every weight (in the form the step reads it: a float32 weight's
 integer blocks where it has them and the rows are within their limit) and every key and value
 the step attends to read once from memory at the measured bandwidth, and the step's matrix
-products at the measured GEMM rate for M rows. Everything else a step does (attention arithmetic, norms, rotary embedding,
-sampling, verification, bookkeeping, dispatch) is what the measured step has above its floor.
+products at the measured GEMM rate for M rows. Everything else a step does (attention arithmetic,
+norms, rotary embedding, sampling, verification, bookkeeping, dispatch) is what the measured step
+has above its floor.
 
 Part 2 times the engine's steps at those shapes (one request of B samples, ``--context`` tokens
 into the answer, every sample drafting an L-token chain of filler; ``bench_ceiling.py``'s cost

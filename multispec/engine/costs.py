@@ -390,12 +390,11 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     device = engine.device
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
     from multispec import kernels
+    from multispec.models.llama import affine_rows
 
     # The kernels' build (their sources and flags), how products stream (AMX tiles, AVX512-BF16
     # vectors or not at all) and up to how many rows they read float32 weights as integer blocks
     # change what a step costs: any of them re-measures.
-    from multispec.models.llama import affine_rows
-
     compiled = kernels.build_key() if compiled_kernel(device) is not None else None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),

@@ -96,13 +96,13 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 constexpr int64_t AFFINE_BLOCK = 32;                                              // k a block
 constexpr int64_t AFFINE_BYTES = 2 * F32_PANEL * 4 + AFFINE_BLOCK * F32_PANEL;  // scales, offsets, q
 
-// One block of 32 floats (stride ``step``) as scale * q + offset, or false.
-bool affine_block(const float* w, int64_t step, float& scale, float& offset, int8_t* q) {
+// One block of 32 floats as scale * q + offset, or false.
+bool affine_block(const float* w, float& scale, float& offset, int8_t* q) {
   float lo = w[0], hi = w[0], amax = std::fabs(w[0]);
   for (int64_t i = 1; i < AFFINE_BLOCK; ++i) {
-    lo = std::min(lo, w[i * step]);
-    hi = std::max(hi, w[i * step]);
-    amax = std::max(amax, std::fabs(w[i * step]));
+    lo = std::min(lo, w[i]);
+    hi = std::max(hi, w[i]);
+    amax = std::max(amax, std::fabs(w[i]));
   }
   if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
   auto bits = [](float v) {
@@ -112,10 +112,10 @@ bool affine_block(const float* w, int64_t step, float& scale, float& offset, int
   };
   auto fits = [&](float s, float m) {
     for (int64_t i = 0; i < AFFINE_BLOCK; ++i) {
-      const double r = s == 0.0f ? 0.0 : std::nearbyint((static_cast<double>(w[i * step]) - m) / s);
-      if (r < -128.0 || r > 127.0) return false;
+      const double r = s == 0.0f ? 0.0 : std::nearbyint((static_cast<double>(w[i]) - m) / s);
+      if (!(r >= -128.0 && r <= 127.0)) return false;  // also a NaN
       q[i] = static_cast<int8_t>(r);
-      if (bits(std::fma(s, static_cast<float>(q[i]), m)) != bits(w[i * step])) return false;
+      if (bits(std::fma(s, static_cast<float>(q[i]), m)) != bits(w[i])) return false;
     }
     scale = s;
     offset = m;
@@ -135,8 +135,8 @@ bool affine_block(const float* w, int64_t step, float& scale, float& offset, int
 }
 
 // [N, K] float32 -> [N / 16, K / 32, AFFINE_BYTES] uint8 (per panel and k block: the 16 columns'
-// scales and offsets as float32, then q[32][16] as int8), or an undefined tensor when the weight is
-// not such blocks (or N % 16 or K % 32 is not 0): None.
+// scales and offsets as float32, then q[32][16] as int8), or None when the weight is not such
+// blocks (or N % 16 or K % 32 is not 0).
 std::optional<at::Tensor> affine_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "affine_pack takes a float32 [out, in] weight");
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -156,7 +156,7 @@ std::optional<at::Tensor> affine_pack(const at::Tensor& weight) {
         int8_t* qs = reinterpret_cast<int8_t*>(block + 2 * F32_PANEL * 4);
         for (int64_t c = 0; c < F32_PANEL; ++c) {
           const float* col = wp + (p * F32_PANEL + c) * k + kb * AFFINE_BLOCK;
-          if (!affine_block(col, 1, scales[c], scales[F32_PANEL + c], q)) {
+          if (!affine_block(col, scales[c], scales[F32_PANEL + c], q)) {
             ok.store(false, std::memory_order_relaxed);
             return;
           }
@@ -318,8 +318,7 @@ constexpr int64_t F32_PREFETCH = 4096;
 // Rows [0, ROWS) of x times one panel (16 columns) plus the bias into y: each row's two
 // accumulators take k in order, one FMA each. With several row blocks a panel, each block asks
 // for its share of the next panel (``next``, or nullptr) while it computes, into L2: block
-// ``part`` of ``parts`` its rows part * k / parts onwards, one every ``parts`` k (``parts`` 0 and no
-// ``next``: nothing asked for, the weight is in cache). Asked for a fixed
+// ``part`` of ``parts`` its rows part * k / parts onwards, one every ``parts`` k. Asked for a fixed
 // distance ahead instead, a panel's weight came from memory during its first row block only, a
 // third of the panel's time at 16 rows, and the product waited for it (all products of the
 // stack at 16 rows: 29.7-31.3 ms with every weight read from memory against 22.4-23.3 in cache;
