@@ -38,25 +38,30 @@ from typing import TYPE_CHECKING
 import torch
 
 from multispec.engine.attention import compiled_kernel, split_step
+from multispec.models.llama import AFFINE_ROWS
 
 if TYPE_CHECKING:
     from multispec.engine.engine import LLMEngine
 
 log = logging.getLogger("multispec")
 
-FORMAT = 7
+FORMAT = 8
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
 prepacked weights, so prices measured before are stale; 3: the compiled CPU attention; 4: the
 compiled layer stack; 5: draft rows' attention on AMX tiles; 6: every prompt half on AMX tiles,
-sixteen rows of a prompt's samples at a time; 7: a point at 17 samples, see ``PLAIN_BATCHES``)."""
+sixteen rows of a prompt's samples at a time; 7: a point at 17 samples, see ``PLAIN_BATCHES``;
+8: a point at ``AFFINE_ROWS`` + 1)."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
-PLAIN_BATCHES = (1, 2, 4, 8, 16, 17, 32, 64, 128)
+PLAIN_BATCHES = tuple(sorted({1, 2, 4, 8, 16, 17, 32, 64, 128, AFFINE_ROWS + 1}))
 """Samples per measured plain step: the base curve's points. 17 because products of a few rows on
 AMX tiles take their rows sixteen at a time (``multispec/kernels/stream_gemm.cpp``): a 17th row
 costs a second pass of tile products, about 40% more on a step of 16 samples on a 2-core Xeon,
 which a line from 16 to 32 would spread over the next sixteen rows and so price a first draft
-token of a 16-sample step far too low."""
+token of a 16-sample step far too low. ``AFFINE_ROWS`` + 1 (9) for the same reason in float32 on
+AVX2: products of up to ``AFFINE_ROWS`` rows read a GGUF model's weights as integer blocks, the
+next row all of the float32 weights (a plain step of 8 samples took 31.7 ms with the blocks and
+37.8 without on a 2-core Zen 2)."""
 DRAFT_BATCHES = (1, 4, 16, 64)
 """Samples per measured drafting step (each drafts ``DRAFT_LENGTHS`` tokens in turn): the points of
 ``extra``, and the base curve past the largest plain step."""
