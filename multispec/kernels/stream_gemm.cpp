@@ -315,6 +315,31 @@ constexpr int F32_ROWS = 6;  // rows sharing each pair of weight vectors: twelve
 // bf16 vector path; panels lie one after the other, so this runs on into the next).
 constexpr int64_t F32_PREFETCH = 4096;
 
+// acc[m] += x[m * k] * (w0, w1) for the ROWS rows of x (row stride k), one FMA per sum: a panel
+// kernel's step at one k. The loops over rows unrolled before register allocation: left to the
+// later unroller, GCC kept a copy of every accumulator on the stack and stored all twelve at every
+// k (half the speed).
+template <int ROWS>
+inline __attribute__((always_inline)) void add_rows(__m256 (&acc)[ROWS][2], const float* x, int64_t k, __m256 w0,
+                                                    __m256 w1) {
+#pragma GCC unroll 8
+  for (int m = 0; m < ROWS; ++m) {
+    const __m256 xb = _mm256_broadcast_ss(x + m * k);
+    acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+  }
+}
+
+// y[m] = acc[m] + bias for the ROWS rows of a panel's 16 columns (row stride n).
+template <int ROWS>
+inline void store_rows(const __m256 (&acc)[ROWS][2], __m256 bias_lo, __m256 bias_hi, float* y, int64_t n) {
+#pragma GCC unroll 8
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(y + m * n, _mm256_add_ps(acc[m][0], bias_lo));
+    _mm256_storeu_ps(y + m * n + 8, _mm256_add_ps(acc[m][1], bias_hi));
+  }
+}
+
 // Rows [0, ROWS) of x times one panel (16 columns) plus the bias into y: each row's two
 // accumulators take k in order, one FMA each. With several row blocks a panel, each block asks
 // for its share of the next panel (``next``, or nullptr) while it computes, into L2: block
@@ -326,8 +351,6 @@ constexpr int64_t F32_PREFETCH = 4096;
 template <int ROWS>
 inline void f32_panel(const float* x, int64_t k, const float* w, __m256 bias_lo, __m256 bias_hi, float* y,
                       int64_t n, const float* next, int64_t part, int64_t parts) {
-  // The loops over rows unrolled before register allocation: left to the later unroller, GCC kept
-  // a copy of every accumulator on the stack and stored all twelve at every k (half the speed).
   __m256 acc[ROWS][2];
 #pragma GCC unroll 8
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -343,19 +366,9 @@ inline void f32_panel(const float* x, int64_t k, const float* w, __m256 bias_lo,
       countdown = parts;
     }
     const float* row = w + kk * F32_PANEL;
-    const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
-#pragma GCC unroll 8
-    for (int m = 0; m < ROWS; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * k + kk);
-      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-    }
+    add_rows<ROWS>(acc, x + kk, k, _mm256_loadu_ps(row), _mm256_loadu_ps(row + 8));
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < ROWS; ++m) {
-    _mm256_storeu_ps(y + m * n, _mm256_add_ps(acc[m][0], bias_lo));
-    _mm256_storeu_ps(y + m * n + 8, _mm256_add_ps(acc[m][1], bias_hi));
-  }
+  store_rows<ROWS>(acc, bias_lo, bias_hi, y, n);
 }
 
 using F32Panel = void (*)(const float*, int64_t, const float*, __m256, __m256, float*, int64_t, const float*, int64_t,
@@ -413,19 +426,10 @@ inline void affine_panel(const float* x, int64_t k, const uint8_t* src, __m256 b
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * F32_PANEL));
       const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m0);
       const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m1);
-#pragma GCC unroll 8
-      for (int m = 0; m < ROWS; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(xk + m * k + r);
-        acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-      }
+      add_rows<ROWS>(acc, xk + r, k, w0, w1);
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < ROWS; ++m) {
-    _mm256_storeu_ps(y + m * n, _mm256_add_ps(acc[m][0], bias_lo));
-    _mm256_storeu_ps(y + m * n + 8, _mm256_add_ps(acc[m][1], bias_hi));
-  }
+  store_rows<ROWS>(acc, bias_lo, bias_hi, y, n);
 }
 
 using AffinePanel = void (*)(const float*, int64_t, const uint8_t*, __m256, __m256, float*, int64_t);
@@ -492,12 +496,16 @@ bool stream_available() { return stream_kind() > 0; }
 
 // y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W).
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  if (packed.scalar_type() == at::kByte) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == AFFINE_BYTES,
-                "stream_linear takes float32 x [rows, in] and an affine_pack'ed weight");
+  if (x.scalar_type() == at::kFloat || packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kByte) {
+    // float32 x and a stream_pack'ed float32 weight, or its integer blocks (affine_pack).
+    const bool blocks = packed.scalar_type() == at::kByte;
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                    (blocks ? packed.size(2) == AFFINE_BYTES
+                            : packed.scalar_type() == at::kFloat && packed.size(2) == F32_PANEL),
+                "stream_linear takes float32 x [rows, in] and a stream_pack'ed float32 weight or its affine_pack");
     const int64_t rows = x.size(0), n = packed.size(0) * F32_PANEL;
-    TORCH_CHECK(x.size(1) == packed.size(1) * AFFINE_BLOCK, "x has ", x.size(1), " columns, the weight ",
-                packed.size(1) * AFFINE_BLOCK);
+    const int64_t k = blocks ? packed.size(1) * AFFINE_BLOCK : packed.size(1);
+    TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
     if (bias.has_value() && bias->defined())
       TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias must be float32 [out]");
     at::Tensor y = at::empty({rows, n}, x.options());
@@ -507,26 +515,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
 #ifdef MULTISPEC_F32_STREAM
     const at::Tensor xin = x.contiguous();
     const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-    affine_stream(xin, packed.contiguous(), b.defined() ? b.data_ptr<float>() : nullptr, y);
-#endif
-    return y;
-  }
-  if (x.scalar_type() == at::kFloat || packed.scalar_type() == at::kFloat) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
-                    packed.dim() == 3 && packed.size(2) == F32_PANEL,
-                "stream_linear takes float32 x [rows, in] and a stream_pack'ed float32 weight");
-    const int64_t rows = x.size(0), n = packed.size(0) * F32_PANEL;
-    TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " columns, the weight ", packed.size(1));
-    if (bias.has_value() && bias->defined())
-      TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias must be float32 [out]");
-    at::Tensor y = at::empty({rows, n}, x.options());
-    if (rows == 0) return y;
-    TORCH_CHECK(stream_kind() == 3,
-                "stream_linear in float32 needs AVX2 and FMA without AVX-512 on this CPU (and MULTISPEC_STREAM not 0)");
-#ifdef MULTISPEC_F32_STREAM
-    const at::Tensor xin = x.contiguous();
-    const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-    f32_stream(xin, packed.contiguous(), b.defined() ? b.data_ptr<float>() : nullptr, y);
+    (blocks ? affine_stream : f32_stream)(xin, packed.contiguous(), b.defined() ? b.data_ptr<float>() : nullptr, y);
 #endif
     return y;
   }
