@@ -379,8 +379,9 @@ class LlamaForCausalLM(nn.Module):
         # may switch it. Integer blocks where every product has them and the step's rows are within
         # their limit, else the streaming layout.
         weights = self._stack_weights
-        if self._stack_affine and rows is not None and rows <= affine_rows():
-            return op, (*weights[:-4], self._stack_affine, affine_rows(), *weights[-3:]), args
+        limit = affine_rows() if self._stack_affine and rows is not None else 0
+        if rows is not None and rows <= limit:
+            return op, (*weights[:-4], self._stack_affine, limit, *weights[-3:]), args
         return op, (*weights[:-3], stream_rows(), *weights[-3:]), args
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
