@@ -150,8 +150,8 @@ class DecodeAttention:
         if self.op is not None:  # writes k and v into the sample slots itself
             return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
                            cache.prompt_v[layer], *self.op_args)
-        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k
-        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v
+        cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k.to(cache.sample_k.dtype)
+        cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v.to(cache.sample_v.dtype)
         if len(self.parts) == 1:
             return self.parts[0].attend(layer, q)
         out = q.new_empty(q.shape)
@@ -216,7 +216,7 @@ class _Part:
         if not seen_all or self.concat:
             own_visible = visible[:, None].expand(size, group, width, self.key_len).reshape(size, 1, group * width, -1)
         if not seen_all and not self.concat:
-            self.own_mask = torch.zeros(own_visible.shape, dtype=cache.sample_k.dtype)
+            self.own_mask = torch.zeros(own_visible.shape, dtype=cache.compute_dtype)
             self.own_mask.masked_fill_(~own_visible, float("-inf"))
 
         # Members grouped by prompt slot: each prompt's keys are read once for all its samples.
@@ -240,7 +240,7 @@ class _Part:
         pad = torch.arange(self.prompt_len)[None, :] >= torch.tensor([length_of[s] for s in distinct])[:, None]
         self.prompt_mask = None
         if bool(pad.any()):
-            self.prompt_mask = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.sample_k.dtype)
+            self.prompt_mask = torch.zeros(len(distinct), 1, 1, self.prompt_len, dtype=cache.compute_dtype)
             self.prompt_mask.masked_fill_(pad[:, None, None, :], float("-inf"))
         # One prompt for all members, or one member per prompt: queries already have the
         # prompt-major layout, so no scatter or gather is needed.
@@ -293,6 +293,8 @@ class _Part:
         else:
             own_k = cache.sample_k[layer, :, :, : self.key_len].index_select(0, self.member_slots)
             own_v = cache.sample_v[layer, :, :, : self.key_len].index_select(0, self.member_slots)
+        if own_k.dtype != q.dtype:  # a cache narrower than the activations, read back exactly
+            own_k, own_v = own_k.to(q.dtype), own_v.to(q.dtype)
         if self.concat:
             out = self._concatenated(layer, q_rows, own_k, own_v)
         else:
@@ -310,6 +312,7 @@ class _Part:
         else:
             pk = cache.prompt_k[layer, :, :, :plen].index_select(0, self.member_prompt)
             pv = cache.prompt_v[layer, :, :, :plen].index_select(0, self.member_prompt)
+        pk, pv = pk.to(q_rows.dtype), pv.to(q_rows.dtype)
         return torch.nn.functional.scaled_dot_product_attention(
             q_rows, torch.cat((pk, own_k), 2), torch.cat((pv, own_v), 2), attn_mask=self.concat_mask,
             scale=q_rows.shape[-1] ** -0.5)
@@ -338,7 +341,7 @@ class _Part:
             qg = q_rows.new_zeros(self.num_groups, self.group_size, kv_heads, rows, dim)
             qg[self.sample_group, self.sample_member] = q_rows
             qg = qg.transpose(1, 2).reshape(self.num_groups, kv_heads, self.group_size * rows, dim)
-        pre_out, pre_lse = self.kernel(qg, pk, pv, self.prompt_mask)
+        pre_out, pre_lse = self.kernel(qg, pk.to(qg.dtype), pv.to(qg.dtype), self.prompt_mask)
 
         def per_member(x):
             if self.one_each:

@@ -107,10 +107,13 @@ class KVCache:
     head_dim]."""
 
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 overcommit: int = 1):
+                 overcommit: int = 1, compute_dtype: torch.dtype | None = None):
         """``capacity``: the budget, tokens that may be resident; ``overcommit``: layouts may span
-        that many times as much address space (only where ``lazy_memory``; else 1)."""
+        that many times as much address space (only where ``lazy_memory``; else 1).
+        ``compute_dtype``: the activations' dtype, where the cache stores keys and values narrower
+        (bfloat16 under float32); None: ``dtype``."""
         self.config = config
+        self.compute_dtype = compute_dtype or dtype
         self.capacity = capacity
         self.overcommit = overcommit if overcommit > 1 and lazy_memory(device) else 1
         self.dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
@@ -160,7 +163,8 @@ class KVCache:
         model's per-prompt cache)."""
         shape = self.shape
         bigger = CacheShape(shape.sample_slots, sample_capacity, shape.prompt_slots, shape.prompt_capacity)
-        cache = KVCache(self.config, bigger.tokens(), self.k_store.dtype, self.k_store.device)
+        cache = KVCache(self.config, bigger.tokens(), self.k_store.dtype, self.k_store.device,
+                        compute_dtype=self.compute_dtype)
         cache.layout(bigger)
         # Everything this cache holds is made finite first, so that all of it can be copied.
         self.ready(shape.sample_slots, shape.sample_capacity, list(range(shape.prompt_slots)), shape.prompt_capacity)

@@ -365,22 +365,25 @@ inline void add_values(const float* weights, int64_t rows, int64_t stride, int64
   }
 }
 
-template <typename scalar_t>
+// scalar_t: the queries', new keys' and output's dtype; cache_t: the caches' (the same, or bf16 caches
+// under float32 activations: keys and values stored rounded to bf16, read back exactly as floats).
+template <typename scalar_t, typename cache_t = scalar_t>
 void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& own_k, const at::Tensor& own_v, const at::Tensor& prompt_k,
          const at::Tensor& prompt_v, const int64_t* sample_slot, const int64_t* offsets, const int64_t* counts,
          const int64_t* written, const int64_t* prompt_slot, const int64_t* prompt_len, const bool* tree_mask,
          int64_t batch, int64_t qmax, double scale, at::Tensor& out) {
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = own_k.size(1), group = heads / kv_heads;
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* okp = own_k.data_ptr<scalar_t>();
-  const scalar_t* ovp = own_v.data_ptr<scalar_t>();
-  const scalar_t* pkp = prompt_k.data_ptr<scalar_t>();
-  const scalar_t* pvp = prompt_v.data_ptr<scalar_t>();
+  const cache_t* okp = own_k.data_ptr<cache_t>();
+  const cache_t* ovp = own_v.data_ptr<cache_t>();
+  const cache_t* pkp = prompt_k.data_ptr<cache_t>();
+  const cache_t* pvp = prompt_v.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const scalar_t* knp = k_new.data_ptr<scalar_t>();
   const scalar_t* vnp = v_new.data_ptr<scalar_t>();
-  scalar_t* own_k_out = own_k.data_ptr<scalar_t>();
-  scalar_t* own_v_out = own_v.data_ptr<scalar_t>();
+  cache_t* own_k_out = own_k.data_ptr<cache_t>();
+  cache_t* own_v_out = own_v.data_ptr<cache_t>();
+  constexpr bool same = std::is_same_v<scalar_t, cache_t>;
   const int64_t kn0 = k_new.stride(0), kn1 = k_new.stride(1), vn0 = v_new.stride(0), vn1 = v_new.stride(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t os0 = own_k.stride(0), os1 = own_k.stride(1), os2 = own_k.stride(2);
@@ -393,7 +396,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   // Scores straight from the bf16 rows with AVX512-BF16 dot products where the CPU has them.
   bool fast = false;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  fast = std::is_same_v<scalar_t, c10::BFloat16> && dim % 32 == 0 && dim <= 256 && qs1 == dim;
+  fast = same && std::is_same_v<scalar_t, c10::BFloat16> && dim % 32 == 0 && dim <= 256 && qs1 == dim;
 #endif
 
   // With AMX, the prompt half of every sample runs first on tiles, the query rows of all the
@@ -403,8 +406,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   bool amx = false;
   std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  amx = std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && multispec_amx::enabled();
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+  amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && multispec_amx::enabled();
+  if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
     if (amx) {
       const int64_t tokens = q.size(0);
       partial.reset(new float[tokens * heads * multispec_amx::PARTIAL]);
@@ -465,8 +468,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 #endif
   // Cache lines of the next item asked for per block of 16 keys scored (an item scores about group
   // x its keys / 16 blocks and must cover dim * 2 / 64 lines a key) and per value row added.
-  const int key_lines = static_cast<int>(dim * static_cast<int64_t>(sizeof(scalar_t)) / (4 * group)) + 2;
-  const int value_lines = static_cast<int>(std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(scalar_t)) / 64));
+  const int key_lines = static_cast<int>(dim * static_cast<int64_t>(sizeof(cache_t)) / (4 * group)) + 2;
+  const int value_lines = static_cast<int>(std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(cache_t)) / 64));
   auto work = [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> qf, scores, acc, row_buf(dim);
 #ifdef MULTISPEC_AMX
@@ -488,7 +491,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
         const int64_t b2 = following / kv_heads, h2 = following % kv_heads;
         next_item.keys = reinterpret_cast<const char*>(okp + sample_slot[b2] * os0 + h2 * os1);
         next_item.values = reinterpret_cast<const char*>(ovp + sample_slot[b2] * ovs0 + h2 * ovs1);
-        next_item.bytes = written[b2] * os2 * static_cast<int64_t>(sizeof(scalar_t));
+        next_item.bytes = written[b2] * os2 * static_cast<int64_t>(sizeof(cache_t));
         next_item.key_lines = key_lines;
         next_item.value_lines = value_lines;
         ahead = &next_item;
@@ -515,15 +518,24 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
       // The step's new keys and values go into the sample's slot first (this item alone writes
       // this (sample, kv head)).
       for (int64_t r = 0; r < count; ++r) {
-        std::memcpy(own_k_out + sample_slot[b] * os0 + h * os1 + (old + r) * os2,
-                    knp + (offsets[b] + r) * kn0 + h * kn1, dim * sizeof(scalar_t));
-        std::memcpy(own_v_out + sample_slot[b] * ovs0 + h * ovs1 + (old + r) * ovs2,
-                    vnp + (offsets[b] + r) * vn0 + h * vn1, dim * sizeof(scalar_t));
+        cache_t* kd = own_k_out + sample_slot[b] * os0 + h * os1 + (old + r) * os2;
+        cache_t* vd = own_v_out + sample_slot[b] * ovs0 + h * ovs1 + (old + r) * ovs2;
+        const scalar_t* ks = knp + (offsets[b] + r) * kn0 + h * kn1;
+        const scalar_t* vs = vnp + (offsets[b] + r) * vn0 + h * vn1;
+        if constexpr (same) {
+          std::memcpy(kd, ks, dim * sizeof(scalar_t));
+          std::memcpy(vd, vs, dim * sizeof(scalar_t));
+        } else {  // rounded to the cache's dtype (to nearest even, as torch's copy rounds)
+          for (int64_t d = 0; d < dim; ++d) {
+            kd[d] = static_cast<cache_t>(static_cast<float>(ks[d]));
+            vd[d] = static_cast<cache_t>(static_cast<float>(vs[d]));
+          }
+        }
       }
 #ifdef MULTISPEC_AMX
       // The own keys of samples with draft nodes (six query rows or more) on the tile unit too; a
       // plain sample's three rows are as fast on the vector path.
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
         if (amx && count >= 2 && count <= multispec_amx::MAX_NODES) {
           const bool* mask = tree_mask + b * qmax * qmax;
           const int64_t base = offsets[b];
@@ -552,8 +564,8 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
         }
       }
       // Scores against the prompt's keys, then the sample's own.
-      const scalar_t* pk = pkp + prompt_slot[b] * ps0 + h * ps1;
-      const scalar_t* ok = okp + sample_slot[b] * os0 + h * os1;
+      const cache_t* pk = pkp + prompt_slot[b] * ps0 + h * ps1;
+      const cache_t* ok = okp + sample_slot[b] * os0 + h * os1;
       const bool* mask = tree_mask + b * qmax * qmax;
       // After scoring every key: the step's new keys outside each row's ancestors get -inf.
       [[maybe_unused]] auto hide_non_ancestors = [&] {
@@ -562,7 +574,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
             if (!mask[(i / group) * qmax + node]) scores[i * keys + plen + old + node] = neg_inf;
       };
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
 #ifdef MULTISPEC_AMX
         if (amx && count == 1 && rows <= 16) {  // a plain sample: scores on tiles (a few % faster)
           const int64_t base = offsets[b];
@@ -621,12 +633,20 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
           for (int64_t d = 0; d < dim; ++d) a[d] = prior[d] * rescale;
         }
 #endif
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < keys; ++j) {
-          const float e = s[j] == neg_inf ? 0.0f : exp_nonpositive(s[j] - top);
-          s[j] = e;
-          total += e;
-        }
+        // (A hidden key's -inf score gives exp_nonpositive(-inf) = 0, without a branch to vectorize.)
+#pragma omp simd
+        for (int64_t j = 0; j < keys; ++j) s[j] = exp_nonpositive(s[j] - top);
+        // The weights summed in an order fixed by key position alone: key j into running sum j % 8,
+        // then one fixed tree. The draft nodes a row does not see weigh 0, so a root's total is the
+        // same float whether its sample drafted or not (a vector reduction's order, and where its
+        // remainder starts, moved with the key count: a root's output changed with its own draft
+        // count, and seeded speculative runs parted from plain ones by rounding).
+        float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t j = 0;
+        for (; j + 8 <= keys; j += 8)
+          for (int l = 0; l < 8; ++l) lanes[l] += s[j + l];
+        for (; j < keys; ++j) lanes[j & 7] += s[j];
+        total += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
         totals[i] = total;
       }
       // Weighted sum of values, each value row read once for all query rows.
@@ -669,8 +689,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
                   k_new.size(1) == own_k.size(1) && v_new.size(1) == own_k.size(1),
               "k_new and v_new are [tokens, kv_heads, dim]");
+  const at::ScalarType cache_type = own_k.scalar_type();
+  TORCH_CHECK(cache_type == q.scalar_type() || (q.scalar_type() == at::kFloat && cache_type == at::kBFloat16),
+              "the caches share q's dtype, or are bfloat16 under float32 q");
   for (const at::Tensor* t : {&q, &k_new, &v_new, &own_k, &own_v, &prompt_k, &prompt_v}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q and the caches must share a dtype");
+    const bool cache = t == &own_k || t == &own_v || t == &prompt_k || t == &prompt_v;
+    TORCH_CHECK(t->scalar_type() == (cache ? cache_type : q.scalar_type()),
+                "k_new and v_new share q's dtype, the four caches one dtype");
     TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == q.size(2), "the last dimension must be contiguous head_dim");
   }
   TORCH_CHECK(q.size(1) % own_k.size(1) == 0, "query heads must be a multiple of kv heads");
@@ -682,20 +707,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                   tree_mask.size(1) == tree_mask.size(2) && tree_mask.is_contiguous(),
               "tree_mask must be a contiguous bool [samples, qmax, qmax]");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       run<float>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
-                                  offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                  written.data_ptr<int64_t>(), prompt_slot.data_ptr<int64_t>(),
-                                  prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(), batch,
-                                  tree_mask.size(1), scale, out);
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       run<c10::BFloat16>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
-                                          offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                          written.data_ptr<int64_t>(), prompt_slot.data_ptr<int64_t>(),
-                                          prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(),
-                                          batch, tree_mask.size(1), scale, out);
-                     }));
+  auto call = [&](auto q_type, auto cache_type_tag) {
+    using Q = decltype(q_type);
+    using C = decltype(cache_type_tag);
+    run<Q, C>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
+              offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), written.data_ptr<int64_t>(),
+              prompt_slot.data_ptr<int64_t>(), prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(), batch,
+              tree_mask.size(1), scale, out);
+  };
+  if (q.scalar_type() == at::kFloat && cache_type == at::kBFloat16)
+    call(float{}, c10::BFloat16{});
+  else if (q.scalar_type() == at::kFloat)
+    call(float{}, float{});
+  else if (q.scalar_type() == at::kBFloat16)
+    call(c10::BFloat16{}, c10::BFloat16{});
+  else
+    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16, got ", q.scalar_type());
   return out;
 }
 

@@ -285,3 +285,72 @@ def test_concatenated_attention_decodes_as_the_halves(llm, monkeypatch):
     assert runs[True, "plain"] == runs[False, "plain"]
     assert runs[True, "tree"] == runs[False, "tree"]
     assert runs[False, "tree"] == runs[False, "plain"]  # greedy drafts change nothing
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "bfloat16-cache", "bfloat16"])
+def test_a_roots_attention_does_not_depend_on_its_own_draft_count(dtype, cache_dtype, monkeypatch):
+    """A sample's root row sees its cached keys and its own new key, never its draft nodes: its output
+    must be the same float whether the sample drafted 0 or 9 nodes. Its softmax total once came from
+    a vector reduction whose order (where the remainder starts) moved with the key count, so a
+    drafted root parted from the plain one by rounding at some prompt lengths (37 of the ones
+    below). Chains of 1-9 nodes against prompts of 5-127 keys and 0-40 own keys, vector path."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from multispec.engine.cache import CacheShape, KVCache
+    from tests.helpers import tree_mask_of
+
+    monkeypatch.setenv("MULTISPEC_AMX", "0")
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)
+    gen = torch.Generator().manual_seed(11)
+    shape = CacheShape(1, 64, 1, 128)
+    for plen in (5, 37, 40, 127):
+        for written in (0, 13, 40):
+            cache = KVCache(config, shape.tokens(), cache_dtype, compute_dtype=dtype)
+            cache.layout(shape)
+            for name in ("prompt_k", "prompt_v", "sample_k", "sample_v"):
+                getattr(cache, name).copy_(torch.randn(getattr(cache, name).shape, generator=gen) * 2)
+            q, k, v = (torch.randn(10, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+            outs = []
+            for drafts in range(10):
+                layout = StepLayout(torch.tensor([1 + drafts]), torch.tensor([written]), torch.tensor([0]),
+                                    torch.tensor([plen]), tree_mask_of([list(range(-1, drafts - 1))]))
+                outs.append(DecodeAttention(cache, layout).attend(0, q[:1 + drafts], k[:1 + drafts], v[:1 + drafts])[0])
+            for drafts, out in enumerate(outs):
+                assert torch.equal(out, outs[0]), f"prompt {plen}, {written} own keys, {drafts} drafts"
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
+def test_a_bfloat16_cache_under_float32_reads_back_exactly():
+    """A bfloat16 cache under float32 activations: the new keys and values are stored rounded (to
+    nearest, as torch rounds), and the attention is the float32 attention over the rounded cache,
+    bit for bit; the portable path agrees with float64 over the same rounded values."""
+    from multispec.engine.attention import DecodeAttention
+    from multispec.engine.cache import KVCache
+
+    out, want = _compiled_on_trees(torch.float32, True)  # a float32 cache, for the layout and inputs
+    wide, layout, q, k, v = _compiled_on_trees.last
+    config = wide.config
+    narrow = KVCache(config, wide.shape.tokens(), torch.bfloat16, compute_dtype=torch.float32)
+    rounded = KVCache(config, wide.shape.tokens(), torch.float32)
+    exact = KVCache(config, wide.shape.tokens(), torch.float64)
+    for cache in (narrow, rounded, exact):
+        cache.layout(wide.shape)
+    gen = torch.Generator().manual_seed(5)
+    for name in ("prompt_k", "prompt_v", "sample_k", "sample_v"):
+        values = (torch.randn(getattr(wide, name).shape, generator=gen) * 2).bfloat16()
+        for cache in (narrow, rounded, exact):
+            getattr(cache, name).copy_(values)
+    got = DecodeAttention(narrow, layout).attend(0, q, k, v)
+    assert got.dtype == torch.float32
+    ref = DecodeAttention(rounded, layout).attend(0, q, k.bfloat16().float(), v.bfloat16().float())
+    assert torch.equal(got, ref)
+    for name in ("sample_k", "sample_v"):  # the step's new keys and values, rounded in place
+        assert torch.equal(getattr(narrow, name).float(), getattr(rounded, name))
+    portable = DecodeAttention(narrow, layout, compiled=False).attend(0, q, k, v)
+    want = DecodeAttention(exact, layout, split=False, compiled=False).attend(
+        0, q.double(), k.bfloat16().double(), v.bfloat16().double())
+    assert portable.dtype == torch.float32
+    assert (portable.double() - want).abs().max() < 2e-5
+    assert (got.double() - want).abs().max() < 2e-5
