@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--samples", default="4,16,64,128", help="samples in flight (one request of n samples)")
     parser.add_argument("--lengths", default="0,1,2,4", help="draft tokens per sample (0 = plain, always run)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="'auto' (the model's dtype) or 'bfloat16'")
     parser.add_argument("--context", type=int, default=128, help="tokens each sample has generated when timed")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per draft length")
     parser.add_argument("--repeats", type=int, default=2,
@@ -125,9 +126,9 @@ def main() -> None:
     from multispec.reasoning import load_gsm8k
 
     torch.manual_seed(0)
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     model, config = llm.model, llm.model.config
-    element = model.output_weight().element_size()
+    element = llm.engine.cache.k_store.element_size()  # the KV cache's, which the floor reads
     tokenizer = llm.tokenizer
     prompt = len(tokenizer.encode(tokenizer.apply_chat_template(load_gsm8k(limit=1)[0].chat()),
                                   add_special_tokens=False))

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from multispec.devices import resolve_device, resolve_dtype
+from multispec.devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
@@ -61,14 +61,18 @@ class LLM:
     if there is one, else the CPU); drafting always runs on the CPU. ``dtype`` of the weights, the
     activations and the KV cache ("auto": bfloat16 where the hardware computes it natively, see
     ``multispec.devices``; logits, sampling and verification are float32 whatever it is); the one
-    chosen is ``self.dtype``. ``engine`` is the ``LLMEngine`` every call steps. The first ``LLM`` of a
+    chosen is ``self.dtype``. ``kv_cache_dtype``: "auto" (the model's dtype) or "bfloat16" under float32
+    weights: keys and values stored rounded to bfloat16, half the bytes (twice the tokens in
+    ``kv_cache_memory``, less to read a step), attention still computed in float32; plain and
+    speculative decoding see the same rounded cache, so the output law is unchanged between them
+    (``self.kv_cache_dtype``). ``engine`` is the ``LLMEngine`` every call steps. The first ``LLM`` of a
     process freezes the interpreter's heap out of the garbage collector's way (``gc.freeze``, see
     ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
-                 device: str = "auto"):
+                 device: str = "auto", kv_cache_dtype: str = "auto"):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
@@ -81,6 +85,7 @@ class LLM:
             raise ValueError(f"cache_dir={cache_dir!r}: must be a directory path or None")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         path = resolve_model(model)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
         self.model_name = model
@@ -93,7 +98,8 @@ class LLM:
         self.spec = spec or SpecConfig()
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
                                      model_key=weights_key(path), cache_dir=cache_dir,
-                                     draft_head=paired_draft_head(model), model_name=str(model))
+                                     draft_head=paired_draft_head(model), model_name=str(model),
+                                     kv_cache_dtype=self.kv_cache_dtype)
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
         self._ids = itertools.count()

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from multispec.devices import DTYPES
+from multispec.devices import DTYPES, KV_CACHE_DTYPES
 from multispec.drafters import DRAFTERS
 from multispec.params import SamplingParams, SpecConfig
 from multispec.verify.schemes import NAMES as SCHEMES
@@ -31,6 +31,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="'auto' (default): bfloat16 where the hardware computes it natively, else float32")
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache cap in GiB (default: %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="'auto' (default): the model's dtype; 'bfloat16' under float32 weights halves the cache")
     parser.add_argument("--device", default="auto",
                         help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
 
@@ -83,8 +85,10 @@ def _spec(args) -> SpecConfig:
 def _llm(args):
     from multispec.api import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device)
-    print(f"multispec: {args.model} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}", file=sys.stderr)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device,
+              kv_cache_dtype=args.kv_cache_dtype)
+    kv = "" if llm.kv_cache_dtype == llm.dtype else f", KV cache {str(llm.kv_cache_dtype).removeprefix('torch.')}"
+    print(f"multispec: {args.model} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}{kv}", file=sys.stderr)
     return llm
 
 

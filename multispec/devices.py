@@ -54,6 +54,23 @@ def cpu_has_fast_bf16() -> bool:
     return bool(_BF16_FLAGS & set(flags))
 
 
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+"""What the KV cache may store: "auto" (the model's dtype), or bfloat16 keys and values under float32
+activations (half the cache's bytes; attention reads them back exactly and computes in float32)."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache for a ``kv_cache_dtype`` argument under model ``dtype``."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
+    chosen = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+    if chosen != dtype and not (dtype == torch.float32 and chosen == torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: under {name} weights the cache holds {name} ('auto'); "
+                         f"only float32 models can keep a bfloat16 cache")
+    return chosen
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The torch dtype a ``dtype`` argument names on ``device``; "auto" picks as the module says.
     A bfloat16 or float16 request where the hardware only emulates it works, with a warning."""

@@ -70,3 +70,11 @@ def test_calibrate_measures_and_caches_the_step_costs(successor_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("step base ms by tokens {1: ")
     assert len(list((tmp_path / "step-costs").glob("*.json"))) == 1
+
+
+def test_generate_with_a_bfloat16_kv_cache_says_so(successor_dir):
+    result = run_cli("generate", "--model", str(successor_dir), "--dtype", "float32", "--kv-cache-dtype", "bfloat16",
+                     "--prompt", "1 2 3", "--n", "2", "--max-tokens", "4", "--seed", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "float32, KV cache bfloat16" in result.stderr
+    assert len(json.loads(result.stdout.splitlines()[0])["samples"]) == 2

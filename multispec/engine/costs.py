@@ -328,9 +328,10 @@ def measure(engine: "LLMEngine") -> StepCosts:
                  for _, _, lengths in shapes]
     # Room for the largest request alone (each sample holds max_tokens + a draft + 1 tokens), twice.
     need = max(p + b * (len(s) + 2 * deepest + 3) for (b, p, _), s in zip(shapes, schedules))
-    per_token = kv_bytes_per_token(engine.model.config, engine.dtype)
+    per_token = kv_bytes_per_token(engine.model.config, engine.kv_dtype)
     scratch = LLMEngine(engine.model, engine.tokenizer,
-                        EngineConfig(engine.config.max_model_len, kv_cache_bytes=2 * need * per_token))
+                        EngineConfig(engine.config.max_model_len, kv_cache_bytes=2 * need * per_token,
+                                     kv_cache_dtype=engine.config.kv_cache_dtype))
     spec = SpecConfig(drafter="ngram", max_draft_tokens=deepest, max_draft_nodes=deepest, adaptive=False)
     timed: dict[tuple[int, int, int], list[tuple[int, float, float]]] = {}
     batch, schedule, step = 0, [0], 0
@@ -399,9 +400,10 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
 
     # The kernels' build (their sources and flags), how products stream (AMX tiles, AVX512-BF16
     # vectors or not at all) and up to how many rows they read float32 weights as integer blocks
-    # change what a step costs: any of them re-measures.
+    # change what a step costs, as does what the KV cache stores: any of them re-measures.
     compiled = kernels.build_key() if compiled_kernel(device) is not None else None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled,
             "stream_products": kernels.stream_kind() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0,

@@ -60,6 +60,8 @@ class EngineConfig:
     """The draft head paired with the model (``drafter="model"`` without ``draft_model``)."""
     model_name: str = "the target"
     """How error messages name the model."""
+    kv_cache_dtype: torch.dtype | None = None
+    """What the KV cache stores (None: the model's dtype; bfloat16 under float32 weights)."""
 
 
 @dataclass
@@ -92,9 +94,10 @@ class LLMEngine:
         on_gpu = self.device.type == "cuda"
         self._sync = (lambda: torch.cuda.synchronize(self.device)) if on_gpu else (lambda: None)
         self.vocab_size = model.config.vocab_size
-        per_token = kv_bytes_per_token(model.config, self.dtype)
-        self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.dtype, self.device,
-                             overcommit=OVERCOMMIT)
+        self.kv_dtype = config.kv_cache_dtype or self.dtype
+        per_token = kv_bytes_per_token(model.config, self.kv_dtype)
+        self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.kv_dtype, self.device,
+                             overcommit=OVERCOMMIT, compute_dtype=self.dtype)
         self.scheduler = Scheduler(self.cache, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}

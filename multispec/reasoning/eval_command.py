@@ -101,5 +101,5 @@ def _on_ray(args, config, problems) -> list[dict]:
 
     rows = [{"position": i, "problem": problem, "config": config} for i, problem in enumerate(problems)]
     llm_options = {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                   "device": args.device}
+                   "kv_cache_dtype": args.kv_cache_dtype, "device": args.device}
     return map_with_llm(rows, solve_rows, llm_options, **ray_options(args))

@@ -51,7 +51,7 @@ def run(args) -> int:
     spec = _spec(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              spec=spec, device=args.device)
+              spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     if spec.speculates and spec.adaptive:  # the draft budget's prices, before the first client waits on them
         llm.engine.step_costs()
     config = ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key or None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from multispec import RequestOutput, SamplingParams, SpecConfig
 from multispec.engine import LLMEngine
@@ -175,3 +176,30 @@ def test_sampled_drafts_are_reproducible_and_batch_independent(llm):
                                    first[0].outputs[i].token_ids, SEED, i, temperature=1.0)
     else:
         assert [len(o.token_ids) for o in batched.outputs] == [len(o.token_ids) for o in first[0].outputs]
+
+
+@pytest.fixture(scope="module")
+def llm_bf16_cache(llm):
+    """The default model in float32 with its KV cache in bfloat16, on the CPU."""
+    from multispec import LLM
+
+    if llm.device.type != "cpu":
+        pytest.skip("the bfloat16 cache under float32 is measured and tested on the CPU")
+    return LLM(dtype="float32", kv_cache_dtype="bfloat16", device="cpu")
+
+
+@pytest.mark.parametrize("name", ["consensus", "consensus-tree"])
+def test_a_bfloat16_cache_keeps_seeded_speculation_equal_to_plain(llm, llm_bf16_cache, name):
+    """Keys and values stored in bfloat16 under float32 weights: twice the tokens in the same
+    memory, and plain and speculative decoding read the same rounded cache, so a seeded
+    speculative run still returns the seeded plain run's samples token for token."""
+    narrow = llm_bf16_cache
+    assert narrow.dtype == torch.float32 and narrow.kv_cache_dtype == torch.bfloat16
+    assert narrow.engine.cache.k_store.dtype == torch.bfloat16
+    assert abs(narrow.engine.cache.capacity - 2 * llm.engine.cache.capacity) <= 1  # same kv_cache_memory
+    conversations = [p.chat() for p in load_gsm8k(limit=2, offset=5)]
+    params = SamplingParams(n=4, temperature=TEMPERATURE, max_tokens=32, seed=SEED)
+    plain = narrow.chat(conversations, params, SpecConfig())
+    outputs = narrow.chat(conversations, params, DRAFT_INVARIANT[name])
+    assert narrow.last_stats.accepted_tokens > 0.05 * narrow.last_stats.generated_tokens
+    assert_same_samples(narrow, outputs, plain, SEED)
