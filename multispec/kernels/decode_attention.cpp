@@ -636,16 +636,24 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
         // (A hidden key's -inf score gives exp_nonpositive(-inf) = 0, without a branch to vectorize.)
 #pragma omp simd
         for (int64_t j = 0; j < keys; ++j) s[j] = exp_nonpositive(s[j] - top);
-        // The weights summed in an order fixed by key position alone: key j into running sum j % 8,
-        // then one fixed tree. The draft nodes a row does not see weigh 0, so a root's total is the
-        // same float whether its sample drafted or not (a vector reduction's order, and where its
-        // remainder starts, moved with the key count: a root's output changed with its own draft
-        // count, and seeded speculative runs parted from plain ones by rounding).
+        // The weights summed in an order fixed by the keys the row sees, not by where they sit: key j
+        // of the cached ones (all seen) into running sum j % 8, then the step's new keys the row sees
+        // (its ancestors and itself, in order) as if they followed the cached ones directly, then
+        // one fixed tree. So a row's total is the same float whether its token is a sample's root
+        // or a draft node at any depth of any tree, and whether its sample drafted or not: the same
+        // token as a root of a later step sees the same keys in the same ranks. (An OpenMP vector
+        // reduction over all keys put them in lanes by position, with its remainder where the key
+        // count ended: roots and draft nodes parted from plain steps by rounding, and seeded
+        // speculative runs from plain ones.)
         float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        const int64_t cached = plen + old;
         int64_t j = 0;
-        for (; j + 8 <= keys; j += 8)
+        for (; j + 8 <= cached; j += 8)
           for (int l = 0; l < 8; ++l) lanes[l] += s[j + l];
-        for (; j < keys; ++j) lanes[j & 7] += s[j];
+        for (; j < cached; ++j) lanes[j & 7] += s[j];
+        const bool* sees = mask + (i / group) * qmax;
+        for (int64_t node = 0, rank = cached; node < count; ++node)
+          if (sees[node]) lanes[rank++ & 7] += s[cached + node];
         total += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
         totals[i] = total;
       }

@@ -354,3 +354,45 @@ def test_a_bfloat16_cache_under_float32_reads_back_exactly():
     assert portable.dtype == torch.float32
     assert (portable.double() - want).abs().max() < 2e-5
     assert (got.double() - want).abs().max() < 2e-5
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "bfloat16-cache", "bfloat16"])
+def test_a_draft_node_attends_as_the_same_token_does_as_a_root_later(dtype, cache_dtype, monkeypatch):
+    """A node deep in one branch of a draft tree sees its ancestors, which sit among the other
+    branch's nodes in the step's new keys; once accepted, the same token is a root whose ancestors
+    are cached keys in a row. Its attention must be the same float both ways, or speculation would
+    change the samples by rounding: a tree of two branches (parents -1, 0, 0, 1, 2), the last node
+    (path: root, node 0, node 2, itself) against prompts of 5-127 keys, vector path."""
+    from multispec.engine.attention import DecodeAttention, StepLayout
+    from multispec.engine.cache import CacheShape, KVCache
+    from tests.helpers import tree_mask_of
+
+    monkeypatch.setenv("MULTISPEC_AMX", "0")
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)
+    gen = torch.Generator().manual_seed(17)
+    shape = CacheShape(1, 64, 1, 128)
+    parents = [-1, 0, 0, 1, 2]
+    path = [0, 1, 3]  # the last node's ancestors, as rows of the step (root = 0)
+    for plen in (5, 37, 40, 127):
+        for written in (0, 13, 40):
+            tree, plain = (KVCache(config, shape.tokens(), cache_dtype, compute_dtype=dtype) for _ in range(2))
+            for cache in (tree, plain):
+                cache.layout(shape)
+            for name in ("prompt_k", "prompt_v", "sample_k", "sample_v"):
+                values = torch.randn(getattr(tree, name).shape, generator=gen) * 2
+                getattr(tree, name).copy_(values)
+                getattr(plain, name).copy_(values)
+            q, k, v = (torch.randn(6, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+            drafted = DecodeAttention(tree, StepLayout(torch.tensor([6]), torch.tensor([written]), torch.tensor([0]),
+                                                       torch.tensor([plen]), tree_mask_of([parents])))
+            deep = drafted.attend(0, q, k, v)[5]
+            for rank, row in enumerate(path):  # the accepted path, committed in a row
+                plain.sample_k[0, 0, :, written + rank] = tree.sample_k[0, 0, :, written + row]
+                plain.sample_v[0, 0, :, written + rank] = tree.sample_v[0, 0, :, written + row]
+            later = DecodeAttention(plain, StepLayout(torch.tensor([1]), torch.tensor([written + 3]), torch.tensor([0]),
+                                                      torch.tensor([plen]), tree_mask_of([[]])))
+            root = later.attend(0, q[5:], k[5:], v[5:])[0]
+            assert torch.equal(deep, root), f"prompt {plen}, {written} own keys"

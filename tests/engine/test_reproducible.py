@@ -203,3 +203,26 @@ def test_a_bfloat16_cache_keeps_seeded_speculation_equal_to_plain(llm, llm_bf16_
     outputs = narrow.chat(conversations, params, DRAFT_INVARIANT[name])
     assert narrow.last_stats.accepted_tokens > 0.05 * narrow.last_stats.generated_tokens
     assert_same_samples(narrow, outputs, plain, SEED)
+
+
+@pytest.mark.parametrize("name", ["consensus", "consensus-tree", "ngram"])
+def test_float32_speculation_returns_plain_decodings_bits(llm, name):
+    """Where every product of a decode step streams its float32 weight (AVX2, up to 512 rows) and
+    the compiled attention runs, a token's logits are the same bits whether the token was a root or
+    a draft node of any tree: seeded speculation then returns the seeded plain run's tokens and
+    their log-probabilities exactly, with no allowance for near-ties. (With the attention's softmax
+    total summed by key position, 28 of 256 positions differed in the last bits here.)"""
+    from multispec import kernels
+
+    if not (llm.device.type == "cpu" and kernels.stream_kind() == 3 and kernels.decode_attention() is not None):
+        pytest.skip("exact only where every decode product streams float32 weights (AVX2) with the compiled attention")
+    conversations = [p.chat() for p in load_gsm8k(limit=2)]
+    params = SamplingParams(n=4, temperature=TEMPERATURE, max_tokens=32, seed=SEED, logprobs=0)
+    plain = llm.chat(conversations, params, SpecConfig())
+    outputs = llm.chat(conversations, params, DRAFT_INVARIANT[name])
+    assert llm.last_stats.accepted_tokens > 0.05 * llm.last_stats.generated_tokens
+    for out, ref in zip(outputs, plain, strict=True):
+        for completion, reference in zip(out.outputs, ref.outputs, strict=True):
+            assert completion.token_ids == reference.token_ids
+            assert completion.logprobs == reference.logprobs
+            assert completion.cumulative_logprob == reference.cumulative_logprob
