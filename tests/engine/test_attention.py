@@ -287,6 +287,17 @@ def test_concatenated_attention_decodes_as_the_halves(llm, monkeypatch):
     assert runs[False, "tree"] == runs[False, "plain"]  # greedy drafts change nothing
 
 
+def _skip_native_bf16(dtype) -> None:
+    """Bit-for-bit claims hold for float32 activations (with either cache) on every vector path,
+    and for bf16 ones where bf16 is read as floats (AVX2); with AVX512-BF16 the scores of bf16
+    keys come from dot products sixteen keys to a block, a remainder summed otherwise, and bf16
+    steps may part at near-ties only (tests/engine/test_bf16.py)."""
+    from multispec.devices import cpu_has_fast_bf16
+
+    if dtype == torch.bfloat16 and cpu_has_fast_bf16():
+        pytest.skip("bf16 activations on bf16 arithmetic: exact only up to near-ties")
+
+
 @pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                (torch.bfloat16, torch.bfloat16)],
@@ -301,6 +312,7 @@ def test_a_roots_attention_does_not_depend_on_its_own_draft_count(dtype, cache_d
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
+    _skip_native_bf16(dtype)
     monkeypatch.setenv("MULTISPEC_AMX", "0")
     config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)
     gen = torch.Generator().manual_seed(11)
@@ -370,6 +382,7 @@ def test_a_draft_node_attends_as_the_same_token_does_as_a_root_later(dtype, cach
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
+    _skip_native_bf16(dtype)
     monkeypatch.setenv("MULTISPEC_AMX", "0")
     config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)
     gen = torch.Generator().manual_seed(17)
