@@ -379,6 +379,25 @@ constexpr std::array<F32Panel, sizeof...(R)> f32_panels(std::integer_sequence<in
   return {&f32_panel<R + 1>...};
 }
 
+// body(p, b, blocks, r0, chunk, bias_lo, bias_hi) for every item of a float32 product of ``rows`` rows
+// and ``panels`` panels of 16 columns: items are (panel p, block b of rows), a panel's blocks
+// adjacent, as in the bf16 vector path; the rows in ``blocks`` blocks of at most six whose sizes
+// differ by one at most (16 rows: 5 + 5 + 6), block b rows r0 .. r0 + chunk - 1; the panel's bias
+// (``bp``, or none) in two vectors.
+template <typename Body>
+inline void for_panel_blocks(int64_t rows, int64_t panels, const float* bp, const Body& body) {
+  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
+  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t item; (item = shares.next(part)) >= 0;) {
+      const int64_t p = item / blocks, b = item % blocks;
+      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
+      const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
+      const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
+      body(p, b, blocks, r0, chunk, lo, hi);
+    }
+  });
+}
+
 // y [M, N] = x [M, K] @ W^T + bias, float32, W given as stream_pack(W) [N / 16, K, 16].
 void f32_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, at::Tensor& y) {
   static constexpr auto kernels = f32_panels(std::make_integer_sequence<int, F32_ROWS>{});
@@ -386,19 +405,10 @@ void f32_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Rows in blocks of at most six whose sizes differ by one at most (16 rows: 5 + 5 + 6).
-  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
-  // Items are (panel, block of rows), a panel's blocks adjacent, as in the bf16 vector path.
-  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
-    for (int64_t item; (item = shares.next(part)) >= 0;) {
-      const int64_t p = item / blocks, b = item % blocks;
-      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
-      const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
-      const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
-      const float* next = p + 1 < panels ? wp + (p + 1) * k * F32_PANEL : nullptr;
-      kernels[chunk - 1](xp + r0 * k, k, wp + p * k * F32_PANEL, lo, hi, yp + r0 * n + p * F32_PANEL, n, next, b,
-                         blocks);
-    }
+  for_panel_blocks(rows, panels, bp, [&](int64_t p, int64_t b, int64_t blocks, int64_t r0, int64_t chunk, __m256 lo,
+                                         __m256 hi) {
+    const float* next = p + 1 < panels ? wp + (p + 1) * k * F32_PANEL : nullptr;
+    kernels[chunk - 1](xp + r0 * k, k, wp + p * k * F32_PANEL, lo, hi, yp + r0 * n + p * F32_PANEL, n, next, b, blocks);
   });
 }
 
@@ -446,23 +456,16 @@ constexpr std::array<AffinePanel, sizeof...(R)> affine_panels(std::integer_seque
 // and 1.13x at 16 rows, 1.24x at 32 (``Projection`` uses it up to ``AFFINE_ROWS``). Rebuilding once
 // into a float32 buffer for all row blocks instead was slower from 8 rows on (1.19x at 8).
 void affine_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, at::Tensor& y) {
+  static constexpr auto fused = affine_panels(std::make_integer_sequence<int, F32_ROWS>{});
   const int64_t rows = x.size(0), panels = packed.size(0), kblocks = packed.size(1);
   const int64_t k = kblocks * AFFINE_BLOCK, n = panels * F32_PANEL;
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
-  static constexpr auto fused = affine_panels(std::make_integer_sequence<int, F32_ROWS>{});
-  // Items are (panel, block of rows), a panel's blocks adjacent: the later blocks rebuild the
-  // panel from its packed bytes in cache.
-  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
-    for (int64_t item; (item = shares.next(part)) >= 0;) {
-      const int64_t p = item / blocks, b = item % blocks;
-      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
-      const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
-      const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
-      fused[chunk - 1](xp + r0 * k, k, pp + p * kblocks * AFFINE_BYTES, lo, hi, yp + r0 * n + p * F32_PANEL, n);
-    }
+  // A panel's later row blocks rebuild it from its packed bytes in cache.
+  for_panel_blocks(rows, panels, bp, [&](int64_t p, int64_t, int64_t, int64_t r0, int64_t chunk, __m256 lo,
+                                         __m256 hi) {
+    fused[chunk - 1](xp + r0 * k, k, pp + p * kblocks * AFFINE_BYTES, lo, hi, yp + r0 * n + p * F32_PANEL, n);
   });
 }
 
