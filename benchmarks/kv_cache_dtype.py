@@ -22,6 +22,34 @@ import statistics
 import time
 
 
+def alternating_steps(engines: dict, conversation, n: int, context: int, rounds: int, chunk: int = 10) -> dict:
+    """{engine name: seconds of each timed decode step}: one request of ``n`` samples of
+    ``conversation`` on every engine (T 0.7, no end of text), ``context`` steps each first, then
+    ``rounds`` rounds of ``chunk`` steps on each engine in turn (the order reversed every other
+    round); the request is then aborted."""
+    from multispec import SamplingParams
+
+    for name, llm in engines.items():
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(conversation), add_special_tokens=False)
+        params = SamplingParams(n=n, temperature=0.7, max_tokens=context + rounds * chunk + 4, ignore_eos=True, seed=0)
+        llm.engine.add_request(f"steps-{n}", ids, params)
+        for _ in range(context):
+            llm.engine.step()
+    times = {name: [] for name in engines}
+    for r in range(rounds):
+        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            engine = engines[name].engine
+            for _ in range(chunk):
+                start = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - start)
+    for llm in engines.values():
+        llm.engine.abort(f"steps-{n}")
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", default="4,16,64", help="samples in flight per step shape; 0: none")
@@ -38,27 +66,8 @@ def main() -> None:
     print(f"weights {str(first.dtype).removeprefix('torch.')}; caches: "
           + ", ".join(f"{name} {str(llm.kv_cache_dtype).removeprefix('torch.')}" for name, llm in engines.items()))
     question = load_gsm8k(limit=1)[0].chat()
-    chunk = 10
     for n in (int(s) for s in args.samples.split(",") if int(s) > 0):
-        for name, llm in engines.items():
-            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(question), add_special_tokens=False)
-            params = SamplingParams(n=n, temperature=0.7, max_tokens=args.context + args.rounds * chunk + 4,
-                                    ignore_eos=True, seed=0)
-            llm.engine.add_request(f"steps-{n}", ids, params)
-            for _ in range(args.context):
-                llm.engine.step()
-        times = {name: [] for name in engines}
-        for r in range(args.rounds):
-            for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-                engine = engines[name].engine
-                for _ in range(chunk):
-                    start = time.perf_counter()
-                    engine.step()
-                    times[name].append(time.perf_counter() - start)
-        for llm in engines.values():
-            llm.engine.abort(f"steps-{n}")
-            while llm.engine.has_unfinished_requests():
-                llm.engine.step()
+        times = alternating_steps(engines, question, n, args.context, args.rounds)
         a, b = (statistics.median(t) for t in times.values())
         print(f"{n} samples, {args.context}+ tokens generated: model dtype {1e3 * a:.2f} ms a step, "
               f"bfloat16 cache {1e3 * b:.2f} ms ({b / a:.3f}x)", flush=True)
