@@ -80,3 +80,16 @@ def huge_page_arena(tensors: list[torch.Tensor | None]) -> HugePageArena | None:
         return HugePageArena([t.numel() * t.element_size() for t in tensors if t is not None])
     except OSError:
         return None
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). The layouts the arena replaces are freed into that heap, and there they would stay
+    resident: loading the default model in float32 peaked at 3.05 GB instead of 2.29 without the
+    arena; trimmed after each product, 2.38 GB."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
