@@ -33,11 +33,11 @@ from __future__ import annotations
 import mmap
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from multispec.models.config import ModelConfig
+from multispec.models.pages import transparent_huge_pages
 
 GIB = 1 << 30
 OVERCOMMIT = 4
@@ -52,10 +52,7 @@ def lazy_memory(device: torch.device | str) -> bool:
     forced on (``always`` would commit 2 MiB around every touched byte)."""
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux"):
         return False
-    try:
-        return "[always]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:  # no transparent huge pages at all
-        return True
+    return transparent_huge_pages() != "always"  # None: no transparent huge pages at all
 
 
 class _Reserved:

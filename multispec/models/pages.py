@@ -3,9 +3,9 @@
 A decode step of a few to a few dozen samples reads every product's weight from memory once.
 With ordinary 4 KiB pages that stream crosses a page every 64 cache lines, and each crossing needs
 a new translation (the second-level TLB of a Zen 2 core covers 8 MiB of a 500 MiB stream); a
-2 MiB page needs one per 32,768 lines. Under Linux, transparent huge pages are usually granted only where asked for
-(``madvise``), so ``huge_page_arena`` puts the streamed layouts into one anonymous mapping
-asked for huge pages before it is touched. On a 2-core AMD EPYC (Zen 2, float32), both layouts in
+2 MiB page needs one per 32,768 lines. Under Linux, transparent huge pages are usually granted
+only where asked for (``madvise``), so ``huge_page_arena`` puts the streamed layouts into one
+anonymous mapping asked for huge pages before it is touched. On a 2-core AMD EPYC (Zen 2, float32), both layouts in
 one process, alternating: decode steps of 1, 4 and 16 samples 0.97x, 0.98x and 0.97x the time
 (medians of three runs), 64 samples unchanged (docs/results.md, "The streamed weights on 2 MiB
 pages"). ``MULTISPEC_HUGE_PAGES=0`` leaves them where they are.
@@ -25,18 +25,26 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64  # each copy starts on a cache line
 
 
+def transparent_huge_pages() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise" or "never"), or None where there is
+    none to read (another system, or a kernel without them)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+    return chosen or None
+
+
 def huge_pages_available() -> bool:
     """Whether this process can ask for transparent huge pages: Linux, with them not switched off
     (``never``); ``always`` grants them to large mappings anyway, ``madvise`` where asked.
     ``MULTISPEC_HUGE_PAGES=0`` keeps the weights on ordinary pages (to compare)."""
-    if os.environ.get("MULTISPEC_HUGE_PAGES", "1") == "0":
+    if os.environ.get("MULTISPEC_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
+    return transparent_huge_pages() in ("always", "madvise")
 
 
 class HugePageArena:
@@ -45,8 +53,8 @@ class HugePageArena:
     ordinary CPU tensors (same shape, dtype and values) that keep the mapping alive."""
 
     def __init__(self, sizes: list[int]):
-        self.total = sum(-(-size // ALIGN) * ALIGN for size in sizes)
-        self.region = mmap.mmap(-1, self.total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        total = sum(-(-size // ALIGN) * ALIGN for size in sizes)
+        self.region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.region.madvise(mmap.MADV_HUGEPAGE)
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.region))
         self.offset = -address % HUGE_PAGE  # the first copy on a huge page boundary

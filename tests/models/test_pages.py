@@ -10,6 +10,7 @@ weight gives.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,13 @@ def test_the_default_models_streamed_weights_live_in_the_arena(llm):
     assert torch.equal(gate_up.stream, torch.ops.multispec.stream_pack(dense.to(gate_up.stream.dtype)))
     if gate_up.affine is not None:
         assert torch.equal(gate_up.affine, torch.ops.multispec.affine_pack(dense))
+
+
+def test_the_mode_read_decides_both_uses():
+    from multispec.engine.cache import lazy_memory
+
+    mode = pages.transparent_huge_pages()
+    assert mode in ("always", "madvise", "never", None)
+    assert pages.huge_pages_available() == (mode in ("always", "madvise"))
+    if sys.platform.startswith("linux"):
+        assert lazy_memory("cpu") == (mode != "always")
