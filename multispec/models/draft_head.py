@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from multispec.models.config import ModelConfig
-from multispec.models.llama import DecoderLayer, LlamaForCausalLM, Projection, packing_available
+from multispec.models.llama import DecoderLayer, LlamaForCausalLM, Projection, apply_rope, packing_available
 
 FORMAT = "multispec-draft-head-1"
 MAX_DEPTH = 16
@@ -123,29 +123,31 @@ class PathAttention:
         return PathAttention(self.keys[parents], self.values[parents], None if self.mask is None else self.mask[parents])
 
 
-class WindowAttention:
-    """The root's step over its window: rows come as ``[N * C]`` (C pairs per root, the root's
-    last); only each root's row attends (over its window's existing keys), the other rows only
-    give keys and values, and their outputs are zeros the caller drops. ``path()`` hands the keys
-    to the drafted depths."""
-
-    def __init__(self, count: int, mask: torch.Tensor | None):
-        self.count, self.mask = count, mask
-        self.keys = self.values = None
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = self.count
-        k, v = k.view(n, -1, *k.shape[1:]), v.view(n, -1, *v.shape[1:])
-        self.keys, self.values = k, v
-        last = _attend_last(q.view(n, -1, *q.shape[1:])[:, -1], k, v, self.mask)
-        if k.shape[1] == 1:  # the root alone
-            return last
-        out = q.new_zeros(n, k.shape[1], *q.shape[1:])
-        out[:, -1] = last
-        return out.view(q.shape)
-
-    def path(self) -> PathAttention:
-        return PathAttention(self.keys, self.values, self.mask)
+def _window_attention(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n: int,
+                      mask: torch.Tensor | None) -> tuple[torch.Tensor, PathAttention]:
+    """The roots' step through the layer's attention over their windows: ``h [N * C, H]`` (normed,
+    C pairs per root, the root's last), ``cos``/``sin`` per row. Every row gives its key and value,
+    but only each root's row is queried and goes through the output product (the other rows'
+    outputs would be dropped: in training they were 7/8 of the window's q and o products at C = 8).
+    Returns the output product of the roots' attention ``[N, H]`` and the paths the drafted depths
+    extend."""
+    t = h.shape[0]
+    c = t // n
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    root_cos, root_sin = cos.view(n, c, -1)[:, -1], sin.view(n, c, -1)[:, -1]
+    if attn.fused:  # one product for q/k/v; the roots' queries are sliced from it
+        qkv = attn.qkv(h).view(t, heads + 2 * kv_heads, d)
+        k = apply_rope(qkv[:, heads:heads + kv_heads], cos, sin)
+        v = qkv[:, heads + kv_heads:]
+        q = apply_rope(qkv.view(n, c, heads + 2 * kv_heads, d)[:, -1, :heads], root_cos, root_sin)
+        output = attn.o
+    else:
+        k = apply_rope(attn.k_proj(h).view(t, kv_heads, d), cos, sin)
+        v = attn.v_proj(h).view(t, kv_heads, d)
+        q = apply_rope(attn.q_proj(h.view(n, c, -1)[:, -1]).view(n, heads, d), root_cos, root_sin)
+        output = attn.o_proj
+    k, v = k.view(n, c, kv_heads, d), v.view(n, c, kv_heads, d)
+    return output(_attend_last(q, k, v, mask).reshape(n, heads * d)), PathAttention(k, v, mask)
 
 
 class CompiledPath:
@@ -327,11 +329,10 @@ class DraftHead(nn.Module):
         x = self._inputs(features.reshape(n * c, -1), tokens.reshape(-1))
         positions = torch.arange(self.config.context - c, self.config.context, device=x.device).repeat(n)
         cos, sin = self._rope(positions, n * c, x.dtype)
-        window = WindowAttention(n, mask)
-        attended = layer.self_attn(layer.input_layernorm(x), cos, sin, window)
-        # Only the roots' rows go on through the MLP (the others gave their keys and values).
-        root = (x + attended).view(n, c, -1)[:, -1]
-        return root + layer.mlp(layer.post_attention_layernorm(root)), window.path()
+        attended, path = _window_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, n, mask)
+        # Only the roots' rows go on (the others gave their keys and values).
+        root = x.view(n, c, -1)[:, -1] + attended
+        return root + layer.mlp(layer.post_attention_layernorm(root)), path
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Training: ``features [R, C, H]`` and ``tokens [R, C + S - 1]``: each row's window of C
