@@ -5,8 +5,10 @@
    with the dataset's own reference solutions (calculator annotations removed) as the answer:
    text the target did not write, but on which its features and distributions are just as much
    what the head must learn, at the cost of one prefill instead of a generation.
-2. **Features.** One teacher-forced prefill over each prompt + answer gives the target's final
-   hidden state at every answer position and the log-normaliser of its distribution there.
+2. **Features.** The target's final hidden state at every answer position and the log-normaliser
+   of its distribution there: for the target's own answers, as the engine computed them while
+   sampling (``LLMEngine.position_observers``); for the reference solutions (and answers read back
+   from a file), from one teacher-forced prefill over each prompt + answer.
 3. **Head.** The head's output is restricted to the tokens the target wrote most often. Each
    training row starts at a true feature ``h_t`` and unrolls ``unroll`` steps on the true tokens,
    feeding back its own predicted features (as it runs when drafting), with two losses per step:
@@ -80,9 +82,11 @@ class Sequences:
         return index[self.sequence[index] == self.sequence[index + unroll]]
 
 
-def teacher_forced(llm, sequences: list[tuple[list[int], int]], per_forward: int = 4096) -> Sequences:
+def teacher_forced(llm, sequences: list[tuple[list[int], int]], per_forward: int = 4096) -> Sequences | None:
     """Features of each (ids, prompt_len) at positions prompt_len - 1 .. end, from prefills of
-    about ``per_forward`` tokens (several sequences each)."""
+    about ``per_forward`` tokens (several sequences each); None for no sequences."""
+    if not sequences:
+        return None
     features, tokens, lse, which = [], [], [], []
     batches, batch, size = [], [], 0
     for k, (ids, prompt_len) in enumerate(sequences):
@@ -105,6 +109,46 @@ def teacher_forced(llm, sequences: list[tuple[list[int], int]], per_forward: int
             tokens.append(torch.tensor(ids[prompt_len - 1:]))
             which.append(torch.full((hidden.shape[0],), k))
     return Sequences(torch.cat(features), torch.cat(tokens), torch.cat(lse), torch.cat(which))
+
+
+@dataclass
+class Answer:
+    """A sampled answer: prompt + answer ids, the prompt's length, which question; and, where the
+    engine handed them over as it sampled (``LLMEngine.position_observers``), the target's
+    features ``[k, H]`` and log-normalisers ``[k]`` at the positions prompt_len - 1 .. len(ids) - 2
+    (k = len(ids) - prompt_len, one per answer token)."""
+
+    ids: list[int]
+    prompt_len: int
+    problem: int
+    features: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
+def observed(answers: list[Answer]) -> Sequences | None:
+    """``Sequences`` of answers whose features were kept as they were sampled. A teacher-forced
+    pass gives one position more per answer (what follows its last token: after an end token,
+    nothing drafting ever asks for); the rest is the same data. None for no answers."""
+    if not answers:
+        return None
+    features, tokens, lse, which = [], [], [], []
+    for k, a in enumerate(answers):
+        features.append(a.features.to(torch.bfloat16))
+        lse.append(a.lse.float())
+        tokens.append(torch.tensor(a.ids[a.prompt_len - 1:len(a.ids) - 1]))
+        which.append(torch.full((a.features.shape[0],), k))
+    return Sequences(torch.cat(features), torch.cat(tokens), torch.cat(lse), torch.cat(which))
+
+
+def joined(*parts: Sequences | None) -> Sequences:
+    """One ``Sequences`` of several (None: none), their answers kept apart."""
+    parts = [p for p in parts if p is not None and p.tokens.numel()]
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += int(part.sequence.max()) + 1
+    return Sequences(torch.cat([p.features for p in parts]), torch.cat([p.tokens for p in parts]),
+                     torch.cat([p.lse for p in parts]), torch.cat([p.sequence + o for p, o in zip(parts, offsets)]))
 
 
 def frequent_tokens(data: Sequences, k: int, vocab_size: int) -> torch.Tensor:
@@ -290,22 +334,27 @@ def train_draft(llm, output: Path, config: TrainConfig, log=print, answers_file:
            "samples": config.samples, "max_tokens": config.max_tokens, "seed": config.seed}
     cached = json.loads(answers_file.read_text()) if answers_file is not None and answers_file.is_file() else {}
     if cached.get("key") == key:
-        answers = [tuple(a) for a in cached["answers"]]
+        answers = [Answer(*a) for a in cached["answers"]]
         log(f"{len(answers)} sampled answers from {answers_file}")
     else:
         log(f"sampling answers to {len(train_q) + len(held_q)} GSM8K train questions")
         answers = _answers(llm, train_q + held_q, config, log)
         if answers_file is not None:
             answers_file.parent.mkdir(parents=True, exist_ok=True)
-            answers_file.write_text(json.dumps({"key": key, "answers": answers}))
-    train_seqs = [(ids, n) for ids, n, i in answers if i < len(train_q)]
-    held_seqs = [(ids, n) for ids, n, i in answers if i >= len(train_q)]
-    train_seqs += _reference_answers(llm, reference_q)
-    log(f"teacher-forced features of {len(train_seqs)} training answers ({len(reference_q)} of them reference "
-        f"solutions) and {len(held_seqs)} held-out ones")
+            answers_file.write_text(json.dumps({"key": key, "answers": [[a.ids, a.prompt_len, a.problem]
+                                                                        for a in answers]}))
+    # Answers sampled in this run kept their features as they were sampled; those read back from
+    # ``answers_file`` (and the reference solutions) are teacher-forced.
+    sampled = [a for a in answers if a.features is not None]
+    forced = [a for a in answers if a.features is None]
+    references = _reference_answers(llm, reference_q)
+    log(f"teacher-forced features of {len(forced) + len(references)} answers ({len(references)} of them reference "
+        f"solutions); {len(sampled)} sampled answers' features kept as they were sampled")
     start = time.perf_counter()
-    train = teacher_forced(llm, train_seqs)
-    held = teacher_forced(llm, held_seqs)
+    train = joined(observed([a for a in sampled if a.problem < len(train_q)]),
+                   teacher_forced(llm, [(a.ids, a.prompt_len) for a in forced if a.problem < len(train_q)] + references))
+    held = joined(observed([a for a in sampled if a.problem >= len(train_q)]),
+                  teacher_forced(llm, [(a.ids, a.prompt_len) for a in forced if a.problem >= len(train_q)]))
     log(f"  {time.perf_counter() - start:.0f}s")
     vocab = frequent_tokens(train, config.num_tokens, llm.config.vocab_size)
     coverage = float(torch.isin(held.tokens, vocab).float().mean())
@@ -373,23 +422,40 @@ def _reference_answers(llm, problems) -> list[tuple[list[int], int]]:
     return out
 
 
-def _answers(llm, problems, config: TrainConfig, log) -> list[tuple[list[int], int, int]]:
-    """(prompt + answer ids, prompt length, problem index) for ``samples`` answers per problem."""
+def _answers(llm, problems, config: TrainConfig, log) -> list[Answer]:
+    """``samples`` answers per problem, each with the target's features and log-normalisers at
+    its positions as the engine computed them while sampling (no second forward over them)."""
     from multispec.params import SamplingParams
 
-    out = []
-    for temperature, offset in ((0.7, 0), (1.0, 1)):
-        indexes = list(range(offset, len(problems), 2))
-        start = time.perf_counter()
-        results = llm.chat([problems[i].chat() for i in indexes],
-                           SamplingParams(n=config.samples, temperature=temperature, max_tokens=config.max_tokens,
-                                          seed=config.seed))
-        count = 0
-        for i, result in zip(indexes, results):
-            for completion in result.outputs:
-                out.append((list(result.prompt_token_ids) + list(completion.token_ids), len(result.prompt_token_ids), i))
-                count += len(completion.token_ids)
-        log(f"  {len(indexes)} questions x {config.samples} at T {temperature}: {count} tokens in "
-            f"{time.perf_counter() - start:.0f}s")
-    return out
+    kept: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def keep(samples, features, lse) -> None:
+        for sample, f, l in zip(samples, features, lse):
+            kept.setdefault((sample.request.request_id, sample.index), []).append((f.to(torch.bfloat16), l))
+
+    out = []
+    llm.engine.position_observers.append(keep)
+    try:
+        for temperature, offset in ((0.7, 0), (1.0, 1)):
+            indexes = list(range(offset, len(problems), 2))
+            start = time.perf_counter()
+            results = llm.chat([problems[i].chat() for i in indexes],
+                               SamplingParams(n=config.samples, temperature=temperature, max_tokens=config.max_tokens,
+                                              seed=config.seed))
+            count = 0
+            for i, result in zip(indexes, results):
+                for completion in result.outputs:
+                    rows = kept.pop((result.request_id, completion.index), [])
+                    answer = Answer(list(result.prompt_token_ids) + list(completion.token_ids),
+                                    len(result.prompt_token_ids), i)
+                    if sum(f.shape[0] for f, _ in rows) == len(completion.token_ids) > 0:
+                        answer.features = torch.cat([f for f, _ in rows])
+                        answer.lse = torch.cat([l for _, l in rows])
+                    out.append(answer)
+                    count += len(completion.token_ids)
+            kept.clear()
+            log(f"  {len(indexes)} questions x {config.samples} at T {temperature}: {count} tokens in "
+                f"{time.perf_counter() - start:.0f}s")
+    finally:
+        llm.engine.position_observers.remove(keep)
+    return out

@@ -32,7 +32,8 @@ from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_byte
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
-from multispec.engine.step import Step, Verified, commit, most_likely, pack, position_keys, sampling_rows, verify
+from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
+                                   verify)
 from multispec.engine.sampler import target_probs
 from multispec.models.draft_head import DraftHead
 from multispec.models.draft_lm import DraftLM, check_window, is_checkpoint, load_draft_lm
@@ -108,6 +109,12 @@ class LLMEngine:
         self.stats = RunStats()
         """Running totals since the engine was built."""
         self.step_observers: list[Callable[[StepReport], None]] = []
+        self.position_observers: list[Callable[[list[Sample], list[torch.Tensor], list[torch.Tensor]], None]] = []
+        """Called after every forward that gave samples tokens, with those samples and, for each,
+        the final hidden states ``[k, H]`` and the logsumexp of the raw logits ``[k]`` of the k
+        rows its new tokens were drawn from, in order: the target's features and log-normalisers
+        at the sample's positions, as a second forward over the finished text would give them
+        (``multispec train-draft`` keeps its samples' this way)."""
         self.driver: str | None = None
         """Who steps the engine from another thread (an ``AsyncLLM``), if anyone."""
         self._changed: dict[str, Request] = {}
@@ -364,6 +371,11 @@ class LLMEngine:
                 if getattr(lane.drafter, "wants_features", False):
                     live = [s.sample_id for s in request.samples if not s.finished]
                     lane.drafter.observe_features(live, [hidden[row:row + 1]] * len(live))
+                if self.position_observers:
+                    given = [s for s in request.samples if s.output_ids]
+                    h, lse = hidden[row:row + 1], torch.logsumexp(logits[row:row + 1].float(), -1)
+                    for observer in self.position_observers:
+                        observer(given, [h] * len(given), [lse] * len(given))
                 self.stats.generated_tokens += n
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
@@ -390,6 +402,8 @@ class LLMEngine:
         kept = commit(step, logits, results, self.cache)
         self._observe(step, results, kept, changed)
         self._features(step, results, hidden, lanes, changed)
+        if self.position_observers:
+            self._positions(step, results, kept, hidden, logits)
         self._sync()
         t4 = time.perf_counter()
         tokens = int(step.token_ids.numel())
@@ -532,6 +546,26 @@ class LLMEngine:
             except Exception as error:  # noqa: BLE001 - the lane's requests fail, the others go on
                 for request in {step.samples[b].request for b in live}:
                     self._fail(request, error, changed)
+
+    def _positions(self, step: Step, results: list[Verified], kept: list[int], hidden: torch.Tensor,
+                   logits: torch.Tensor) -> None:
+        """Hand ``position_observers`` the rows each sample's kept tokens were drawn from."""
+        samples, rows, counts = [], [], []
+        for b, sample in enumerate(step.samples):
+            if kept[b] <= 0 or sample.request.error is not None:
+                continue
+            _, local = appended(step.trees[b], results[b].path, results[b].bonus)
+            samples.append(sample)
+            rows.extend(step.row_offsets[b] + r for r in local[:kept[b]])
+            counts.append(min(kept[b], len(local)))
+        if not samples:
+            return
+        index = torch.tensor(rows, device=hidden.device)
+        lse = (step.logsumexp[index] if step.logsumexp is not None
+               else torch.logsumexp(logits.index_select(0, index).float(), -1))
+        features, lse = hidden.index_select(0, index).split(counts), lse.float().split(counts)
+        for observer in self.position_observers:
+            observer(samples, list(features), list(lse))
 
     def _retire(self) -> None:
         for sample in self.scheduler.retire():

@@ -13,8 +13,8 @@ from scipy.stats import chi2, chisquare, ncx2
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS, ModelDrafter
 from multispec.models.draft_head import DraftHead, HeadConfig
-from multispec.training import (Sequences, TrainConfig, agreement, file_agreement, pick_threshold, teacher_forced,
-                               train_head, unroll_inputs, windows)
+from multispec.training import (Answer, Sequences, TrainConfig, _answers, agreement, file_agreement, joined, observed,
+                               pick_threshold, teacher_forced, train_head, unroll_inputs, windows)
 from tests.helpers import exact_cells, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
@@ -187,6 +187,75 @@ def test_engine_hands_the_head_the_target_features_of_every_new_position(setup, 
         states = llm.engine.sequence_states(prompt + written[:-1])
         first = len(prompt) - 1 + len(written) - rows.shape[0]  # the row the oldest new token was drawn from
         torch.testing.assert_close(rows, states[first:first + rows.shape[0]], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("drafting,temperature", [(False, 0.7), (True, 1.0), (True, 0.7)])
+def test_position_observers_get_the_features_of_every_kept_token(setup, drafting, temperature):
+    """``position_observers`` hear, for every token a sample keeps (the prompt's first, plain
+    steps, accepted draft paths cut short by max_tokens), the target's final hidden state and raw
+    log-normaliser at the position it was drawn from: what a teacher-forced forward over the
+    finished text gives at positions prompt_len - 1 .. len - 2 (the log-normaliser of the raw
+    logits whatever the temperature)."""
+    llm, head, prompt, _ = setup
+    heard: dict[tuple[str, int], list] = {}
+
+    def keep(samples, features, lse):
+        assert len(samples) == len(features) == len(lse)
+        for sample, f, l in zip(samples, features, lse):
+            assert f.shape[0] == l.shape[0] >= 1
+            heard.setdefault((sample.request.request_id, sample.index), []).append((f.clone(), l.clone()))
+
+    llm.engine.position_observers.append(keep)
+    try:
+        outputs = llm.generate([prompt, prompt[3:]], SamplingParams(n=3, temperature=temperature, max_tokens=11,
+                                                                    ignore_eos=True, seed=2),
+                               spec(head, num_candidates=2, max_draft_tokens=4) if drafting else None, use_tqdm=False)
+    finally:
+        llm.engine.position_observers.remove(keep)
+    if drafting:
+        assert llm.last_stats.accepted_tokens > 0
+    assert len(heard) == 6
+    for out in outputs:
+        for completion in out.outputs:
+            rows = heard[(out.request_id, completion.index)]
+            features, lse = torch.cat([f for f, _ in rows]), torch.cat([l for _, l in rows])
+            ids = list(out.prompt_token_ids) + completion.token_ids
+            assert len(completion.token_ids) == 11 == features.shape[0]
+            states = llm.engine.sequence_states(ids)[len(out.prompt_token_ids) - 1:-1]
+            torch.testing.assert_close(features, states, atol=1e-4, rtol=1e-4)
+            with torch.inference_mode():
+                want = torch.logsumexp(llm.model.logits(states), -1)
+            torch.testing.assert_close(lse, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_answers_keep_the_teacher_forced_data(setup):
+    """``train-draft``'s sampled answers carry the features the engine computed as it sampled
+    them: the same data as a teacher-forced pass over them, but for the position after each
+    answer's last token; joined with teacher-forced answers, every answer stays apart."""
+    llm, _, prompt, successor = setup
+
+    class Problem:
+        def __init__(self, k):
+            self.k = k
+
+        def chat(self):
+            return [{"role": "user", "content": f"question {self.k}"}]
+
+    answers = _answers(llm, [Problem(k) for k in range(3)], TrainConfig(samples=2, max_tokens=9), log=lambda _: None)
+    assert len(answers) == 6 and {a.problem for a in answers} == {0, 1, 2}
+    assert all(a.features is not None for a in answers)
+    kept = observed(answers)
+    forced = teacher_forced(llm, [(a.ids, a.prompt_len) for a in answers])
+    last = torch.tensor([i + 1 == len(forced.sequence) or forced.sequence[i + 1] != forced.sequence[i]
+                         for i in range(len(forced.sequence))])
+    assert kept.tokens.tolist() == forced.tokens[~last].tolist()
+    assert kept.sequence.tolist() == forced.sequence[~last].tolist()
+    torch.testing.assert_close(kept.features.float(), forced.features[~last].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kept.lse, forced.lse[~last], atol=1e-4, rtol=1e-4)
+    both = joined(kept, None, forced)
+    assert both.tokens.numel() == kept.tokens.numel() + forced.tokens.numel()
+    assert both.sequence.unique().numel() == 12
+    assert Answer(*[answers[0].ids, answers[0].prompt_len, answers[0].problem]).features is None
 
 
 def test_a_windowed_head_drafts_from_the_windows_it_is_trained_on(setup, tmp_path, monkeypatch):
