@@ -36,10 +36,12 @@ class PrefillAttention:
             vv = v[start:end].transpose(0, 1)
             self.cache.prompt_k[layer, slot, :, :length] = kk
             self.cache.prompt_v[layer, slot, :, :length] = vv
+            # With a batch dimension the CPU runs its fused (flash) kernel; without one, the
+            # unfused reference (2-4.7x slower at 128-2048 tokens).
             out = torch.nn.functional.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), kk, vv, is_causal=True, enable_gqa=True
+                q[start:end].transpose(0, 1)[None], kk[None], vv[None], is_causal=True, enable_gqa=True
             )
-            outputs.append(out.transpose(0, 1))
+            outputs.append(out[0].transpose(0, 1))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
