@@ -5,10 +5,10 @@ With ordinary 4 KiB pages that stream crosses a page every 64 cache lines, and e
 a new translation (the second-level TLB of a Zen 2 core covers 8 MiB of a 500 MiB stream); a
 2 MiB page needs one per 32,768 lines. Under Linux, transparent huge pages are usually granted
 only where asked for (``madvise``), so ``huge_page_arena`` puts the streamed layouts into one
-anonymous mapping asked for huge pages before it is touched. On a 2-core AMD EPYC (Zen 2, float32), both layouts in
-one process, alternating: decode steps of 1, 4 and 16 samples 0.97x, 0.98x and 0.97x the time
-(medians of three runs), 64 samples unchanged (docs/results.md, "The streamed weights on 2 MiB
-pages"). ``MULTISPEC_HUGE_PAGES=0`` leaves them where they are.
+anonymous mapping asked for huge pages before it is touched. On a 2-core AMD EPYC (Zen 2,
+float32), both layouts in one process, alternating: decode steps of 1, 4 and 16 samples 0.97x,
+0.98x and 0.97x the time (medians of three runs), 64 samples unchanged (docs/results.md, "The
+streamed weights on 2 MiB pages"). ``MULTISPEC_HUGE_PAGES=0`` leaves them where they are.
 """
 
 from __future__ import annotations
