@@ -194,22 +194,28 @@ inline __m256 key_products8(const __m256* qv, const scalar_t* key) {
 }
 
 // scores[i * stride + j] = qf_i . key_j for the float32 query rows qf (already scaled) and
-// ``count`` keys (row stride ``step``): eight keys at a time, one shuffle tree per eight sums.
+// ``count`` keys (row stride ``step``): eight keys at a time, one shuffle tree per eight sums. Each
+// block of eight keys is scored for every row before the next block, so the rows after the first
+// read it from L1 (a sample's 255 keys, 64 KB in float32, do not fit there: a pass per row read
+// them all again from L2).
 template <int CHUNKS, typename scalar_t>
 inline void score_keys_avx2_fixed(const float* qf, int64_t rows, const scalar_t* keys, int64_t step, int64_t count,
                                   float* scores, int64_t stride, Ahead* ahead) {
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    for (int64_t i = 0; i < rows; ++i) {
+      if (ahead != nullptr) ahead->next_keys();
+      __m256 qv[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm256_loadu_ps(qf + i * 8 * CHUNKS + 8 * c);
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = key_products8<CHUNKS>(qv, keys + (j + t) * step);
+      _mm256_storeu_ps(scores + i * stride + j, sum_lanes8(acc));
+    }
+  }
   for (int64_t i = 0; i < rows; ++i) {
     __m256 qv[CHUNKS];
     for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm256_loadu_ps(qf + i * 8 * CHUNKS + 8 * c);
-    float* out = scores + i * stride;
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) {
-      if (ahead != nullptr) ahead->next_keys();
-      __m256 acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = key_products8<CHUNKS>(qv, keys + (j + t) * step);
-      _mm256_storeu_ps(out + j, sum_lanes8(acc));
-    }
-    for (; j < count; ++j) out[j] = sum_lanes(key_products8<CHUNKS>(qv, keys + j * step));
+    for (int64_t k = j; k < count; ++k) scores[i * stride + k] = sum_lanes(key_products8<CHUNKS>(qv, keys + k * step));
   }
 }
 
@@ -227,22 +233,29 @@ inline bool score_keys_avx2(const float* qf, int64_t rows, int64_t dim, const sc
 
 // acc_i += sum_j weights[i * stride + j] * value_j, for head sizes of a multiple of 64: one query
 // row at a time, 64 columns at a time, its eight sums in registers while the value rows stream past.
+// The value rows go in blocks of 32 (8 KB in float32), each block through every query row before
+// the next, so the rows after the first read it from L1; each row's sums still take the value rows
+// in order, one at a time, so the result is the same float as one pass per row.
 // (No ``prefetch`` of rows ahead: that is for the AMX path, which needs AVX-512.)
 template <typename scalar_t>
 inline void add_values_avx2(const float* weights, int64_t rows, int64_t stride, int64_t dim, const scalar_t* values,
                             int64_t step, int64_t count, float* acc, Ahead* ahead) {
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t col = 0; col < dim; col += 64) {
-      float* a = acc + i * dim + col;
-      __m256 sum[8];
-      for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(a + 8 * c);
-      for (int64_t j = 0; j < count; ++j) {
-        if (i == 0 && ahead != nullptr) ahead->next_values();
-        const scalar_t* v = values + j * step + col;
-        const __m256 w = _mm256_set1_ps(weights[i * stride + j]);
-        for (int c = 0; c < 8; ++c) sum[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), sum[c]);
+  constexpr int64_t block = 32;
+  for (int64_t j0 = 0; j0 < count; j0 += block) {
+    const int64_t j1 = std::min(count, j0 + block);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t col = 0; col < dim; col += 64) {
+        float* a = acc + i * dim + col;
+        __m256 sum[8];
+        for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t j = j0; j < j1; ++j) {
+          if (i == 0 && ahead != nullptr) ahead->next_values();
+          const scalar_t* v = values + j * step + col;
+          const __m256 w = _mm256_set1_ps(weights[i * stride + j]);
+          for (int c = 0; c < 8; ++c) sum[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), sum[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, sum[c]);
       }
-      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, sum[c]);
     }
   }
 }

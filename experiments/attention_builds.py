@@ -1,0 +1,126 @@
+"""The compiled decode attention of two source versions, alternating in one process.
+
+Between processes a 2-core machine drifts by more than a few percent, so a change to the
+attention kernel is timed here on the operator alone: the kernel sources of a git revision and of
+the working tree are each compiled into a library of their own (the operator registered under its
+own namespace), both are loaded into one process and called in turn on the same data, and the
+outputs are compared bit for bit.
+
+Shapes are ``B.own.L.P``: B samples (16 to a prompt), ``own`` keys of each sample's own text, L
+draft tokens per sample in a binary tree (node r's parent (r - 1) // 2), a prompt of P keys. Each
+call runs 30 layers with separate caches (as a decode step of the default model does, so that the
+samples' own keys and values come from memory); the time is the median over ``--rounds``.
+
+    python experiments/attention_builds.py --base HEAD~1 --shapes 16.128.0.127,16.128.2.127
+    python experiments/attention_builds.py --dtype bfloat16 --kv-cache-dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = "multispec/kernels"
+FILES = ("decode_attention.cpp", "common.h", "amx_attention.h")
+
+
+def sources(revision: str | None, into: Path) -> Path:
+    """The attention's sources at ``revision`` (None: the working tree) copied into ``into``."""
+    into.mkdir(parents=True)
+    for name in FILES:
+        if revision is None:
+            shutil.copy(ROOT / KERNELS / name, into / name)
+        else:
+            text = subprocess.run(["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+            (into / name).write_text(text)
+    return into
+
+
+def build(src: Path, name: str):
+    """decode_attention.cpp from ``src`` compiled as torch.ops.<name>.decode_attention."""
+    from torch.utils import cpp_extension
+
+    from multispec.kernels import FLAGS
+
+    path = src / "decode_attention.cpp"
+    text = path.read_text()
+    text = text.replace("TORCH_LIBRARY(multispec,", f"TORCH_LIBRARY({name},")
+    text = text.replace("TORCH_LIBRARY_IMPL(multispec,", f"TORCH_LIBRARY_IMPL({name},")
+    # Its own C++ namespace too: the dynamic linker would otherwise bind both registrations to the
+    # first library's function.
+    text = text.replace("namespace multispec {", f"namespace {name}_impl {{")
+    text = text.replace("&multispec::decode_attention", f"&{name}_impl::decode_attention")
+    path.write_text(text)
+    cpp_extension.load(name=name, sources=[str(path)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                       build_directory=str(src), is_python_module=False, verbose=False)
+    return getattr(torch.ops, name).decode_attention
+
+
+def inputs(shape: str, dtype: torch.dtype, cache_dtype: torch.dtype, layers: int = 30):
+    batch, own, drafts, plen = map(int, shape.split("."))
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, heads, dim = 3, 9, 64
+    tokens, prompts, capacity = batch * (1 + drafts), -(-batch // 16), own + 1 + drafts
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    own_k, own_v = (torch.randn(layers, batch, kv_heads, capacity, dim, generator=gen).to(cache_dtype) for _ in "kv")
+    prompt_k, prompt_v = (torch.randn(layers, prompts, kv_heads, plen, dim, generator=gen).to(cache_dtype)
+                          for _ in "kv")
+    slots, counts = torch.arange(batch), torch.full((batch,), 1 + drafts)
+    offsets, written = slots * (1 + drafts), torch.full((batch,), own)
+    mask = torch.zeros(1 + drafts, 1 + drafts, dtype=torch.bool)
+    for node in range(1 + drafts):
+        at = node
+        while True:
+            mask[node, at] = True
+            if at == 0:
+                break
+            at = (at - 1) // 2
+    index = (slots, offsets, counts, written, slots // 16, torch.full((batch,), plen),
+             mask.expand(batch, -1, -1).contiguous())
+    return [(q, k, v, own_k[i], own_v[i], prompt_k[i], prompt_v[i], *index, dim ** -0.5) for i in range(layers)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
+    parser.add_argument("--shapes", default="4.128.0.127,16.128.0.127,16.128.2.127,64.128.0.127,16.500.0.127")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    cache_dtype = dtype if args.kv_cache_dtype == "auto" else torch.bfloat16
+    with tempfile.TemporaryDirectory(prefix="attention-builds-") as tmp:
+        print(f"compiling {args.base} and the working tree ...", file=sys.stderr)
+        ops = {"base": build(sources(args.base, Path(tmp) / "base"), "attention_base"),
+               "tree": build(sources(None, Path(tmp) / "tree"), "attention_tree")}
+        print(f"{args.dtype} activations, {cache_dtype} caches, {torch.get_num_threads()} threads; "
+              f"base = {args.base}, tree = the working tree")
+        print("| shape | base ms | tree ms | tree / base | same output |")
+        print("|---|---|---|---|---|")
+        for shape in args.shapes.split(","):
+            calls = inputs(shape, dtype, cache_dtype)
+            times: dict[str, list[float]] = {name: [] for name in ops}
+            outs = {}
+            for _ in range(args.rounds):
+                for name, op in ops.items():
+                    start = time.perf_counter()
+                    outs[name] = [op(*call) for call in calls]
+                    times[name].append(time.perf_counter() - start)
+            base, tree = (statistics.median(times[name]) * 1e3 for name in ops)
+            same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+            print(f"| {shape} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
