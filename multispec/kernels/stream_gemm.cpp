@@ -379,21 +379,24 @@ constexpr std::array<F32Panel, sizeof...(R)> f32_panels(std::integer_sequence<in
   return {&f32_panel<R + 1>...};
 }
 
-// body(p, b, blocks, r0, chunk, bias_lo, bias_hi) for every item of a float32 product of ``rows`` rows
-// and ``panels`` panels of 16 columns: items are (panel p, block b of rows), a panel's blocks
-// adjacent, as in the bf16 vector path; the rows in ``blocks`` blocks of at most six whose sizes
-// differ by one at most (16 rows: 5 + 5 + 6), block b rows r0 .. r0 + chunk - 1; the panel's bias
-// (``bp``, or none) in two vectors.
+// body(p, b, blocks, r0, chunk, bias_lo, bias_hi) for every (panel p, block b of rows) of a float32
+// product of ``rows`` rows and ``panels`` panels of 16 columns: the rows in ``blocks`` blocks of at
+// most six whose sizes differ by one at most (16 rows: 5 + 5 + 6), block b rows r0 .. r0 + chunk - 1;
+// the panel's bias (``bp``, or none) in two vectors. A thread claims a whole panel at a time and
+// runs its blocks in order: claimed one block at a time, every block paid for a claim (a locked
+// compare-and-swap, which waits for the block's stores to the output, and two divisions), and the
+// products of a step took 2-4% longer at 16 and 128 rows (``experiments/stream_builds.py``).
 template <typename Body>
 inline void for_panel_blocks(int64_t rows, int64_t panels, const float* bp, const Body& body) {
   const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
-  multispec_kernels::balanced_for(panels * blocks, [&](int64_t part, multispec_kernels::Shares& shares) {
-    for (int64_t item; (item = shares.next(part)) >= 0;) {
-      const int64_t p = item / blocks, b = item % blocks;
-      const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
+  multispec_kernels::balanced_for(panels, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t p; (p = shares.next(part)) >= 0;) {
       const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
       const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
-      body(p, b, blocks, r0, chunk, lo, hi);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r0 = b * rows / blocks, chunk = (b + 1) * rows / blocks - r0;  // 1 .. 6
+        body(p, b, blocks, r0, chunk, lo, hi);
+      }
     }
   });
 }

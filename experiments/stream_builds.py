@@ -1,0 +1,118 @@
+"""The streaming matrix products of two source versions, alternating in one process.
+
+Between processes a 2-core machine drifts by more than a few percent, so a change to
+``stream_gemm.cpp`` is timed here: the kernel sources of a git revision and of the working tree
+are each compiled into a library of their own (operators and C++ namespaces renamed), both are
+loaded into one process and run in turn on the default model's own packed weights, and the
+outputs are compared bit for bit.
+
+A pass is what a decode step's products do at ``rows`` rows: for each of the 30 layers the fused
+q/k/v, o, fused gate/up and down products (each weight read from memory, the output a fresh
+tensor), then the output head; the weights in the form the engine reads them at that many rows
+(integer blocks up to ``affine_rows()``, else the float32 stream). Median over ``--rounds``.
+
+    python experiments/stream_builds.py --base HEAD --rows 4,16,64,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = "multispec/kernels"
+FILES = ("stream_gemm.cpp", "common.h", "amx_attention.h")
+
+
+def sources(revision: str | None, into: Path) -> Path:
+    """The product kernel's sources at ``revision`` (None: the working tree) copied into ``into``."""
+    into.mkdir(parents=True)
+    for name in FILES:
+        text = ((ROOT / KERNELS / name).read_text() if revision is None else
+                subprocess.run(["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout)
+        (into / name).write_text(text)
+    return into
+
+
+def build(src: Path, name: str):
+    """stream_gemm.cpp from ``src`` compiled as torch.ops.<name>.stream_linear."""
+    from torch.utils import cpp_extension
+
+    from multispec.kernels import FLAGS
+
+    for file in FILES:
+        path = src / file
+        text = path.read_text()
+        # Every namespace of the copy renamed: the dynamic linker would otherwise bind both
+        # libraries' inline functions and registrations to the first one loaded.
+        text = text.replace("multispec_kernels", f"{name}_kernels").replace("multispec_amx", f"{name}_amx")
+        text = text.replace("TORCH_LIBRARY_FRAGMENT(multispec,", f"TORCH_LIBRARY({name},")
+        text = text.replace("TORCH_LIBRARY_IMPL(multispec,", f"TORCH_LIBRARY_IMPL({name},")
+        text = text.replace("namespace multispec {", f"namespace {name}_impl {{")
+        text = text.replace("&multispec::", f"&{name}_impl::")
+        path.write_text(text)
+    cpp_extension.load(name=name, sources=[str(src / "stream_gemm.cpp")], extra_cflags=FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(src), is_python_module=False, verbose=False)
+    return getattr(torch.ops, name).stream_linear
+
+
+def products(model, rows: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+    """(packed weight, bias, input width) of every product of a forward of ``rows`` rows, in order."""
+    from multispec.models.llama import affine_rows
+
+    out = []
+    for layer in model.model.layers:
+        for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            packed = p.affine if p.affine is not None and rows <= affine_rows() else p.stream
+            out.append((packed, p.bias, p.shape[1]))
+    head = model.head
+    out.append((head.affine if head.affine is not None and rows <= affine_rows() else head.stream, head.bias,
+                head.shape[1]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
+    parser.add_argument("--rows", default="4,16,64,128")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+
+    from multispec import LLM, kernels
+
+    llm = LLM(dtype="float32")
+    if kernels.stream_kind() != 3 or llm.model.head is None or llm.model.head.stream is None:
+        sys.exit("this compares the float32 streaming products (a CPU with AVX2 and FMA but no AVX-512)")
+    with tempfile.TemporaryDirectory(prefix="stream-builds-") as tmp:
+        print(f"compiling {args.base} and the working tree ...", file=sys.stderr)
+        ops = {"base": build(sources(args.base, Path(tmp) / "base"), "stream_base"),
+               "tree": build(sources(None, Path(tmp) / "tree"), "stream_tree")}
+        print(f"{torch.get_num_threads()} threads; base = {args.base}, tree = the working tree")
+        print("| rows | base ms | tree ms | tree / base | same output |")
+        print("|---|---|---|---|---|")
+        gen = torch.Generator().manual_seed(0)
+        for rows in (int(r) for r in args.rows.split(",")):
+            calls = products(llm.model, rows)
+            xs = {k: torch.randn(rows, k, generator=gen) for k in {c[2] for c in calls}}
+            times: dict[str, list[float]] = {name: [] for name in ops}
+            outs = {}
+            for _ in range(args.rounds):
+                for name, op in ops.items():
+                    start = time.perf_counter()
+                    outs[name] = [op(xs[k], packed, bias) for packed, bias, k in calls]
+                    times[name].append(time.perf_counter() - start)
+            base, tree = (statistics.median(times[name]) * 1e3 for name in ops)
+            same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+            print(f"| {rows} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
