@@ -43,9 +43,9 @@ softmax of 128 rows of 49k logits, 6.0-6.4 -> 4.4-5.5 ms); without AVX-512 the f
 around a floating-point operation that might trap (silu, the softmaxes' exponentials ran one float
 at a time on AVX2); nothing here reads floating-point exception flags, and no result changes.
 ``-falign-loops=32``: every loop starts on a 32-byte boundary. The float32 product's inner loop (a
-few dozen instructions) ran 16% slower on a 2-core Zen 2 where an unrelated edit had moved it by
-32 bytes (the same instructions; ``experiments/stream_builds.py``); aligned, its speed no longer
-depends on where the rest of the library puts it."""
+few dozen instructions) ran 16% slower on a 2-core Zen 2 once an edit to the code around it had
+moved it by 32 bytes (the same instructions; ``experiments/stream_builds.py``); aligned, its speed
+no longer depends on where the rest of the library puts it."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
