@@ -33,10 +33,11 @@ KERNELS = "multispec/kernels"
 FILES = ("decode_attention.cpp", "common.h", "amx_attention.h")
 
 
-def sources(revision: str | None, into: Path) -> Path:
-    """The attention's sources at ``revision`` (None: the working tree) copied into ``into``."""
+def sources(revision: str | None, into: Path, files: tuple[str, ...] = FILES) -> Path:
+    """Kernel sources (the attention's unless ``files`` names others) at ``revision`` (None: the
+    working tree) copied into ``into``."""
     into.mkdir(parents=True)
-    for name in FILES:
+    for name in files:
         if revision is None:
             shutil.copy(ROOT / KERNELS / name, into / name)
         else:

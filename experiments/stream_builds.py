@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,20 +25,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNELS = "multispec/kernels"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_builds import sources  # noqa: E402
+
 FILES = ("stream_gemm.cpp", "common.h", "amx_attention.h")
-
-
-def sources(revision: str | None, into: Path) -> Path:
-    """The product kernel's sources at ``revision`` (None: the working tree) copied into ``into``."""
-    into.mkdir(parents=True)
-    for name in FILES:
-        text = ((ROOT / KERNELS / name).read_text() if revision is None else
-                subprocess.run(["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, check=True,
-                               capture_output=True, text=True).stdout)
-        (into / name).write_text(text)
-    return into
 
 
 def build(src: Path, name: str):
@@ -93,8 +82,8 @@ def main() -> None:
         sys.exit("this compares the float32 streaming products (a CPU with AVX2 and FMA but no AVX-512)")
     with tempfile.TemporaryDirectory(prefix="stream-builds-") as tmp:
         print(f"compiling {args.base} and the working tree ...", file=sys.stderr)
-        ops = {"base": build(sources(args.base, Path(tmp) / "base"), "stream_base"),
-               "tree": build(sources(None, Path(tmp) / "tree"), "stream_tree")}
+        ops = {"base": build(sources(args.base, Path(tmp) / "base", FILES), "stream_base"),
+               "tree": build(sources(None, Path(tmp) / "tree", FILES), "stream_tree")}
         print(f"{torch.get_num_threads()} threads; base = {args.base}, tree = the working tree")
         print("| rows | base ms | tree ms | tree / base | same output |")
         print("|---|---|---|---|---|")
