@@ -58,10 +58,10 @@ PLAIN_BATCHES = tuple(sorted({1, 2, 4, 8, 16, 17, 32, 64, 128, AFFINE_ROWS + 1})
 AMX tiles take their rows sixteen at a time (``multispec/kernels/stream_gemm.cpp``): a 17th row
 costs a second pass of tile products, about 40% more on a step of 16 samples on a 2-core Xeon,
 which a line from 16 to 32 would spread over the next sixteen rows and so price a first draft
-token of a 16-sample step far too low. ``AFFINE_ROWS`` + 1 (9) for the same reason in float32 on
+token of a 16-sample step far too low. ``AFFINE_ROWS`` + 1 (11) for the same reason in float32 on
 AVX2: products of up to ``AFFINE_ROWS`` rows read a GGUF model's weights as integer blocks, the
-next row all of the float32 weights (a plain step of 8 samples took 31.7 ms with the blocks and
-37.8 without on a 2-core Zen 2)."""
+next row all of the float32 weights (a plain step of 8 samples took 25.4 ms with the blocks and
+31.2 without on a 2-core Zen 2)."""
 DRAFT_BATCHES = (1, 4, 16, 64)
 """Samples per measured drafting step (each drafts ``DRAFT_LENGTHS`` tokens in turn): the points of
 ``extra``, and the base curve past the largest plain step."""

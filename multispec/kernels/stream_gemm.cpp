@@ -366,7 +366,13 @@ inline void f32_panel(const float* x, int64_t k, const float* w, __m256 bias_lo,
       countdown = parts;
     }
     const float* row = w + kk * F32_PANEL;
-    add_rows<ROWS>(acc, x + kk, k, _mm256_loadu_ps(row), _mm256_loadu_ps(row + 8));
+    __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+    // Held in registers for blocks of three or four rows: GCC folded the two loads into every FMA
+    // instead (twelve loads a k at four rows, so the load ports set the pace: 7.5 cycles a panel
+    // and k on one Zen 2 core, in cache, against 5.9 held; a step's products of 13 rows, 4 + 4 + 5,
+    // 0.87x the time). One or two rows wait on the FMAs' latency, and held they ran 5% slower.
+    if constexpr (ROWS >= 3) __asm__("" : "+x"(w0), "+x"(w1));
+    add_rows<ROWS>(acc, x + kk, k, w0, w1);
   }
   store_rows<ROWS>(acc, bias_lo, bias_hi, y, n);
 }
@@ -435,10 +441,14 @@ inline void affine_panel(const float* x, int64_t k, const uint8_t* src, __m256 b
     const __m256 m0 = _mm256_loadu_ps(scales + F32_PANEL), m1 = _mm256_loadu_ps(scales + F32_PANEL + 8);
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2 * F32_PANEL * 4);
     const float* xk = x + kb * AFFINE_BLOCK;
+    // Each half of a k's sixteen bytes widened straight from memory: one shuffle fewer a k than
+    // loading all sixteen and shifting the upper half down, on a Zen 2 core the difference between
+    // 7.0 and 6.0 cycles a panel and k at four rows (a step's products of 4 rows 0.87x the time).
     for (int64_t r = 0; r < AFFINE_BLOCK; ++r) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * F32_PANEL));
-      const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m0);
-      const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m1);
+      const __m128i v0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + r * F32_PANEL));
+      const __m128i v1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + r * F32_PANEL + 8));
+      const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), m0);
+      const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), m1);
       add_rows<ROWS>(acc, xk + r, k, w0, w1);
     }
   }
@@ -453,11 +463,12 @@ constexpr std::array<AffinePanel, sizeof...(R)> affine_panels(std::integer_seque
 }
 
 // y [M, N] = x [M, K] @ W^T + bias, float32, W given as affine_pack(W), rows in blocks of at most six
-// as f32_stream. Rebuilding costs about as much arithmetic as six rows' products, so this wins
-// where the float32 product waits on memory: on a 2-core Zen 2 all of the default model's products
-// took 0.46x the float32 stream's time at 1 row, 0.48x at 4, 0.64x at 6, 0.76x at 8, 0.94x at 12,
-// and 1.13x at 16 rows, 1.24x at 32 (``Projection`` uses it up to ``AFFINE_ROWS``). Rebuilding once
-// into a float32 buffer for all row blocks instead was slower from 8 rows on (1.19x at 8).
+// as f32_stream. Rebuilding costs arithmetic, so this wins where the float32 product waits on
+// memory: on a 2-core Zen 2 all of the default model's products took 0.44x the float32 stream's
+// time at 4 rows, 0.75x at 8, 0.91x at 10, 1.02x at 11 and 1.08x at 12 (``Projection`` uses it up
+// to ``AFFINE_ROWS``; blocks of at most four rows instead, which need no spilled scales, were
+// slower at 5, 6 and 10 rows). Rebuilding once into a float32 buffer for all row blocks instead was
+// slower from 8 rows on (1.19x at 8).
 void affine_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, at::Tensor& y) {
   static constexpr auto fused = affine_panels(std::make_integer_sequence<int, F32_ROWS>{});
   const int64_t rows = x.size(0), panels = packed.size(0), kblocks = packed.size(1);

@@ -61,14 +61,15 @@ at 4-16, 1.4-1.5x at 32-64 and 1.2x at 128-512 rows on a 2-core AMD EPYC (Zen 2)
 TFLOP/s from 64 rows on against 0.13-0.14 (``experiments/stream_gemm.py``)."""
 
 
-AFFINE_ROWS = 8
+AFFINE_ROWS = 10
 """Products of at most this many rows read their float32 weight from its integer blocks
 (``affine_pack`` in ``multispec/kernels/stream_gemm.cpp``) where the weight is such blocks (a GGUF
 file's quantised weights, dequantised) and the float32 product streams on AVX2: a third of the
-bytes, the same result bit for bit. All of the default model's products took 0.46x the float32
-stream's time at 1 row, 0.48x at 4, 0.76x at 8, 0.94x at 12 and 1.13x at 16 rows on a 2-core Zen 2
-(rebuilding the weights costs arithmetic that only pays while the product waits on memory); plain
-decode steps 0.44x at 1 sample, 0.56x at 4, 0.84x at 8 and 1.02x at 12."""
+bytes, the same result bit for bit. All of the default model's products took 0.41x the float32
+stream's time at 1 row, 0.44x at 4, 0.75x at 8, 0.91x at 10, 1.02x at 11 and 1.17x at 16 rows on a
+2-core Zen 2 (rebuilding the weights costs arithmetic that only pays while the product waits on
+memory); plain decode steps 0.48x at 1 sample, 0.54x at 4, 0.81x at 8, 0.93x at 10 and 1.01x at 11
+(``experiments/affine_weights.py``)."""
 
 
 def affine_rows() -> int:
