@@ -12,12 +12,15 @@ tensor), then the output head; the weights in the form the engine reads them at 
 (integer blocks up to ``affine_rows()``, else the float32 stream). Median over ``--rounds``.
 
     python experiments/stream_builds.py --base HEAD --rows 4,16,64,128
+    python experiments/stream_builds.py --base HEAD --base-flags revision   # flags changed too
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,16 +29,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_builds import sources  # noqa: E402
+from attention_builds import ROOT, sources  # noqa: E402
 
 FILES = ("stream_gemm.cpp", "common.h", "amx_attention.h")
 
 
-def build(src: Path, name: str):
-    """stream_gemm.cpp from ``src`` compiled as torch.ops.<name>.stream_linear."""
-    from torch.utils import cpp_extension
+def flags_at(revision: str | None) -> list[str]:
+    """The kernels' compiler flags (``FLAGS`` in multispec/kernels/__init__.py) at ``revision``
+    (None: the working tree)."""
+    if revision is None:
+        from multispec.kernels import FLAGS
 
-    from multispec.kernels import FLAGS
+        return list(FLAGS)
+    text = subprocess.run(["git", "show", f"{revision}:multispec/kernels/__init__.py"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FLAGS" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise SystemExit(f"no FLAGS in multispec/kernels/__init__.py at {revision}")
+
+
+def build(src: Path, name: str, flags: list[str]):
+    """stream_gemm.cpp from ``src`` compiled with ``flags`` as torch.ops.<name>.stream_linear."""
+    from torch.utils import cpp_extension
 
     for file in FILES:
         path = src / file
@@ -48,7 +64,7 @@ def build(src: Path, name: str):
         text = text.replace("namespace multispec {", f"namespace {name}_impl {{")
         text = text.replace("&multispec::", f"&{name}_impl::")
         path.write_text(text)
-    cpp_extension.load(name=name, sources=[str(src / "stream_gemm.cpp")], extra_cflags=FLAGS,
+    cpp_extension.load(name=name, sources=[str(src / "stream_gemm.cpp")], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], build_directory=str(src), is_python_module=False, verbose=False)
     return getattr(torch.ops, name).stream_linear
 
@@ -73,6 +89,9 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
     parser.add_argument("--rows", default="4,16,64,128")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--base-flags", choices=["tree", "revision"], default="tree",
+                        help="compile the base with the working tree's flags (isolates the source change) or "
+                             "with its own revision's")
     args = parser.parse_args()
 
     from multispec import LLM, kernels
@@ -82,9 +101,11 @@ def main() -> None:
         sys.exit("this compares the float32 streaming products (a CPU with AVX2 and FMA but no AVX-512)")
     with tempfile.TemporaryDirectory(prefix="stream-builds-") as tmp:
         print(f"compiling {args.base} and the working tree ...", file=sys.stderr)
-        ops = {"base": build(sources(args.base, Path(tmp) / "base", FILES), "stream_base"),
-               "tree": build(sources(None, Path(tmp) / "tree", FILES), "stream_tree")}
-        print(f"{torch.get_num_threads()} threads; base = {args.base}, tree = the working tree")
+        base_flags = flags_at(args.base if args.base_flags == "revision" else None)
+        ops = {"base": build(sources(args.base, Path(tmp) / "base", FILES), "stream_base", base_flags),
+               "tree": build(sources(None, Path(tmp) / "tree", FILES), "stream_tree", flags_at(None))}
+        print(f"{torch.get_num_threads()} threads; base = {args.base} ({args.base_flags}'s flags), tree = the "
+              f"working tree")
         print("| rows | base ms | tree ms | tree / base | same output |")
         print("|---|---|---|---|---|")
         gen = torch.Generator().manual_seed(0)

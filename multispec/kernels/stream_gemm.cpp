@@ -366,13 +366,7 @@ inline void f32_panel(const float* x, int64_t k, const float* w, __m256 bias_lo,
       countdown = parts;
     }
     const float* row = w + kk * F32_PANEL;
-    __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
-    // Held in registers for blocks of three or four rows: GCC folded the two loads into every FMA
-    // instead (twelve loads a k at four rows, so the load ports set the pace: 7.5 cycles a panel
-    // and k on one Zen 2 core, in cache, against 5.9 held; a step's products of 13 rows, 4 + 4 + 5,
-    // 0.87x the time). One or two rows wait on the FMAs' latency, and held they ran 5% slower.
-    if constexpr (ROWS >= 3) __asm__("" : "+x"(w0), "+x"(w1));
-    add_rows<ROWS>(acc, x + kk, k, w0, w1);
+    add_rows<ROWS>(acc, x + kk, k, _mm256_loadu_ps(row), _mm256_loadu_ps(row + 8));
   }
   store_rows<ROWS>(acc, bias_lo, bias_hi, y, n);
 }
