@@ -380,17 +380,23 @@ constexpr std::array<F32Panel, sizeof...(R)> f32_panels(std::integer_sequence<in
 }
 
 // body(p, b, blocks, r0, chunk, bias_lo, bias_hi) for every (panel p, block b of rows) of a float32
-// product of ``rows`` rows and ``panels`` panels of 16 columns: the rows in ``blocks`` blocks of at
-// most six whose sizes differ by one at most (16 rows: 5 + 5 + 6), block b rows r0 .. r0 + chunk - 1;
-// the panel's bias (``bp``, or none) in two vectors. A thread claims a whole panel at a time and
-// runs its blocks in order: claimed one block at a time, every block paid for a claim (a locked
-// compare-and-swap, which waits for the block's stores to the output, and two divisions), and the
-// products of a step took 2-4% longer at 16 and 128 rows (``experiments/stream_builds.py``).
+// product of ``rows`` rows and ``panels`` panels of 16 columns into y (row stride n): the rows in
+// ``blocks`` blocks of at most six whose sizes differ by one at most (16 rows: 5 + 5 + 6), block b
+// rows r0 .. r0 + chunk - 1; the panel's bias (``bp``, or none) in two vectors. A thread claims a
+// whole panel at a time and runs its blocks in order: claimed one block at a time, every block paid
+// for a claim (a locked compare-and-swap, which waits for the block's stores to the output, and two
+// divisions), and the products of a step took 2-4% longer at 16 and 128 rows
+// (``experiments/stream_builds.py``).
 template <typename Body>
-inline void for_panel_blocks(int64_t rows, int64_t panels, const float* bp, const Body& body) {
+inline void for_panel_blocks(int64_t rows, int64_t panels, const float* bp, float* y, int64_t n, const Body& body) {
   const int64_t blocks = (rows + F32_ROWS - 1) / F32_ROWS;
   multispec_kernels::balanced_for(panels, [&](int64_t part, multispec_kernels::Shares& shares) {
     for (int64_t p; (p = shares.next(part)) >= 0;) {
+      // The panel's output lines asked for with intent to write before its products: written
+      // without, each line's fetch was still under way when the thread claimed its next panel,
+      // and the claim (a locked compare-and-swap) waited for those stores (a step's products
+      // 0.97-0.99x the time from 8 to 128 rows).
+      for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(y + r * n + p * F32_PANEL, 1, 3);
       const __m256 lo = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL) : _mm256_setzero_ps();
       const __m256 hi = bp != nullptr ? _mm256_loadu_ps(bp + p * F32_PANEL + 8) : _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -408,8 +414,8 @@ void f32_stream(const at::Tensor& x, const at::Tensor& packed, const float* bp, 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_panel_blocks(rows, panels, bp, [&](int64_t p, int64_t b, int64_t blocks, int64_t r0, int64_t chunk, __m256 lo,
-                                         __m256 hi) {
+  for_panel_blocks(rows, panels, bp, yp, n, [&](int64_t p, int64_t b, int64_t blocks, int64_t r0, int64_t chunk,
+                                                 __m256 lo, __m256 hi) {
     const float* next = p + 1 < panels ? wp + (p + 1) * k * F32_PANEL : nullptr;
     kernels[chunk - 1](xp + r0 * k, k, wp + p * k * F32_PANEL, lo, hi, yp + r0 * n + p * F32_PANEL, n, next, b, blocks);
   });
@@ -471,8 +477,8 @@ void affine_stream(const at::Tensor& x, const at::Tensor& packed, const float* b
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // A panel's later row blocks rebuild it from its packed bytes in cache.
-  for_panel_blocks(rows, panels, bp, [&](int64_t p, int64_t, int64_t, int64_t r0, int64_t chunk, __m256 lo,
-                                         __m256 hi) {
+  for_panel_blocks(rows, panels, bp, yp, n, [&](int64_t p, int64_t, int64_t, int64_t r0, int64_t chunk, __m256 lo,
+                                                 __m256 hi) {
     fused[chunk - 1](xp + r0 * k, k, pp + p * kblocks * AFFINE_BYTES, lo, hi, yp + r0 * n + p * F32_PANEL, n);
   });
 }
