@@ -47,6 +47,20 @@ def sources(revision: str | None, into: Path, files: tuple[str, ...] = FILES) ->
     return into
 
 
+
+def alternate(ops: dict, run, rounds: int) -> tuple[float, float, bool]:
+    """``run(op)`` (a call's outputs, a list) for the base's and the tree's op in turn, ``rounds``
+    times: the median milliseconds of each, and whether their outputs agree bit for bit."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    outs = {}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            start = time.perf_counter()
+            outs[name] = run(op)
+            times[name].append(time.perf_counter() - start)
+    base, tree = (statistics.median(times[name]) * 1e3 for name in ("base", "tree"))
+    return base, tree, all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+
 def build(src: Path, name: str):
     """decode_attention.cpp from ``src`` compiled as torch.ops.<name>.decode_attention."""
     from torch.utils import cpp_extension
@@ -111,15 +125,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for shape in args.shapes.split(","):
             calls = inputs(shape, dtype, cache_dtype)
-            times: dict[str, list[float]] = {name: [] for name in ops}
-            outs = {}
-            for _ in range(args.rounds):
-                for name, op in ops.items():
-                    start = time.perf_counter()
-                    outs[name] = [op(*call) for call in calls]
-                    times[name].append(time.perf_counter() - start)
-            base, tree = (statistics.median(times[name]) * 1e3 for name in ops)
-            same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+            base, tree, same = alternate(ops, lambda op: [op(*call) for call in calls], args.rounds)
             print(f"| {shape} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
 
 

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import ast
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_builds import ROOT, sources  # noqa: E402
+from attention_builds import ROOT, alternate, sources  # noqa: E402
 
 FILES = ("stream_gemm.cpp", "common.h", "amx_attention.h")
 
@@ -112,15 +110,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             calls = products(llm.model, rows)
             xs = {k: torch.randn(rows, k, generator=gen) for k in {c[2] for c in calls}}
-            times: dict[str, list[float]] = {name: [] for name in ops}
-            outs = {}
-            for _ in range(args.rounds):
-                for name, op in ops.items():
-                    start = time.perf_counter()
-                    outs[name] = [op(xs[k], packed, bias) for packed, bias, k in calls]
-                    times[name].append(time.perf_counter() - start)
-            base, tree = (statistics.median(times[name]) * 1e3 for name in ops)
-            same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+            base, tree, same = alternate(ops, lambda op: [op(xs[k], packed, bias) for packed, bias, k in calls],
+                                         args.rounds)
             print(f"| {rows} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
 
 

@@ -44,8 +44,9 @@ around a floating-point operation that might trap (silu, the softmaxes' exponent
 at a time on AVX2); nothing here reads floating-point exception flags, and no result changes.
 ``-falign-loops=32``: every loop starts on a 32-byte boundary. The float32 product's inner loop (a
 few dozen instructions) ran 16% slower on a 2-core Zen 2 once an edit to the code around it had
-moved it by 32 bytes (the same instructions; ``experiments/stream_builds.py``); aligned, its speed
-no longer depends on where the rest of the library puts it."""
+moved it by 32 bytes (the same instructions; ``experiments/stream_builds.py``); aligned, such
+shifts no longer move it. Placement at a larger scale still can: docs/results.md, "The float32
+products of a few rows"."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
