@@ -9,7 +9,9 @@ outputs are compared bit for bit.
 A pass is what a decode step's products do at ``rows`` rows: for each of the 30 layers the fused
 q/k/v, o, fused gate/up and down products (each weight read from memory, the output a fresh
 tensor), then the output head; the weights in the form the engine reads them at that many rows
-(integer blocks up to ``affine_rows()``, else the float32 stream). Median over ``--rounds``.
+(float32: integer blocks up to ``affine_rows()``, else the float32 stream; bfloat16 on a CPU with
+AMX tiles or AVX512-BF16 vectors: the bf16 stream, up to ``stream_rows()`` rows). Median over
+``--rounds``.
 
     python experiments/stream_builds.py --base HEAD --rows 4,16,64,128
     python experiments/stream_builds.py --base HEAD --base-flags revision   # flags changed too
@@ -67,10 +69,18 @@ def build(src: Path, name: str, flags: list[str]):
     return getattr(torch.ops, name).stream_linear
 
 
+def stream_rows() -> int:
+    from multispec.models.llama import stream_rows as limit
+
+    return limit()
+
+
 def products(model, rows: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
     """(packed weight, bias, input width) of every product of a forward of ``rows`` rows, in order."""
     from multispec.models.llama import affine_rows
 
+    if rows > stream_rows():
+        raise SystemExit(f"{rows} rows: products of more than {stream_rows()} rows do not stream on this CPU")
     out = []
     for layer in model.model.layers:
         for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
@@ -94,22 +104,25 @@ def main() -> None:
 
     from multispec import LLM, kernels
 
-    llm = LLM(dtype="float32")
-    if kernels.stream_kind() != 3 or llm.model.head is None or llm.model.head.stream is None:
-        sys.exit("this compares the float32 streaming products (a CPU with AVX2 and FMA but no AVX-512)")
+    if kernels.stream_kind() not in (1, 2, 3):
+        sys.exit("this compares the streaming products (a CPU with AMX, AVX512-BF16 or AVX2 and FMA)")
+    dtype = torch.float32 if kernels.stream_kind() == 3 else torch.bfloat16
+    llm = LLM(dtype=str(dtype).removeprefix("torch."))
+    if llm.model.head is None or llm.model.head.stream is None:
+        sys.exit("the model's weights are not packed for the streaming products")
     with tempfile.TemporaryDirectory(prefix="stream-builds-") as tmp:
         print(f"compiling {args.base} and the working tree ...", file=sys.stderr)
         base_flags = flags_at(args.base if args.base_flags == "revision" else None)
         ops = {"base": build(sources(args.base, Path(tmp) / "base", FILES), "stream_base", base_flags),
                "tree": build(sources(None, Path(tmp) / "tree", FILES), "stream_tree", flags_at(None))}
-        print(f"{torch.get_num_threads()} threads; base = {args.base} ({args.base_flags}'s flags), tree = the "
+        print(f"{dtype}, {torch.get_num_threads()} threads; base = {args.base} ({args.base_flags}'s flags), tree = the "
               f"working tree")
         print("| rows | base ms | tree ms | tree / base | same output |")
         print("|---|---|---|---|---|")
         gen = torch.Generator().manual_seed(0)
         for rows in (int(r) for r in args.rows.split(",")):
             calls = products(llm.model, rows)
-            xs = {k: torch.randn(rows, k, generator=gen) for k in {c[2] for c in calls}}
+            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {c[2] for c in calls}}
             base, tree, same = alternate(ops, lambda op: [op(xs[k], packed, bias) for packed, bias, k in calls],
                                          args.rounds)
             print(f"| {rows} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")

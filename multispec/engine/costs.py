@@ -396,17 +396,19 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     device = engine.device
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
     from multispec import kernels
-    from multispec.models.llama import affine_rows
+    from multispec.models.llama import affine_rows, stream_rows
 
     # The kernels' build (their sources and flags), how products stream (AMX tiles, AVX512-BF16
-    # vectors or not at all) and up to how many rows they read float32 weights as integer blocks
-    # change what a step costs, as does what the KV cache stores: any of them re-measures.
+    # vectors or not at all) and up to how many rows, up to how many rows they read float32
+    # weights as integer blocks change what a step costs, as does what the KV cache stores: any
+    # of them re-measures.
     compiled = kernels.build_key() if compiled_kernel(device) is not None else None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled,
             "stream_products": kernels.stream_kind() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0,
+            "stream_rows": stream_rows() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0,
             "integer_block_rows": affine_rows() if device.type == "cpu" and engine.dtype == torch.float32 else 0}
 
 

@@ -40,11 +40,13 @@ AVX512-BF16 CPU, a layer stack's products at 1 to 512 rows ran within 10% of the
 1, 16 and 128 at every row count, in bf16 and float32 (``experiments/packed_gemm.py``)."""
 
 
-STREAM_ROWS = 32
+STREAM_ROWS = 48
 """Products of at most this many rows stream their weight through the AMX tiles
-(``multispec/kernels/stream_gemm.cpp``) where the CPU has them: bound by reading the weight, they
-ran a layer stack's products 1.3-1.6x faster than oneDNN's prepacked product from 1 to 32 rows on
-a 2-core Xeon with AMX, and slower from 48 rows on (``experiments/stream_gemm.py``)."""
+(``multispec/kernels/stream_gemm.cpp``) where the CPU has them, one pass over the weight: a
+layer stack's products and the output head ran 1.3-1.4x faster than oneDNN's prepacked product
+from 1 to 32 rows on a 2-core Xeon with AMX, 1.19x at 40 and 1.11x at 48 (since passes of more
+than 16 rows ask for their weight ahead), 0.95x at 56 and 64 rows, which take two passes
+(``experiments/stream_gemm.py``)."""
 
 VECTOR_STREAM_ROWS = 512
 """Products of at most this many rows stream their weight through AVX512-BF16 vectors where the
