@@ -172,6 +172,10 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                   const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
                   const at::Tensor& prompt_slot, const at::Tensor& prompt_len, const at::Tensor& tree_mask,
                   double scale) {
+  // Below autograd: the per-layer views of the caches and of the fused products (select, narrow,
+  // view) are taken many times a step and live only inside it; without this each built autograd's
+  // view metadata (the caches are ordinary tensors, so even inference mode tracks their views).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t tokens = x.size(0), dim = sample_k.size(-1);
   at::Tensor normed = at::empty_like(x);
   at::Tensor delta;  // the last block's output, added to x by the next add_norm
