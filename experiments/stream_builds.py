@@ -69,15 +69,9 @@ def build(src: Path, name: str, flags: list[str]):
     return getattr(torch.ops, name).stream_linear
 
 
-def stream_rows() -> int:
-    from multispec.models.llama import stream_rows as limit
-
-    return limit()
-
-
 def products(model, rows: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
     """(packed weight, bias, input width) of every product of a forward of ``rows`` rows, in order."""
-    from multispec.models.llama import affine_rows
+    from multispec.models.llama import affine_rows, stream_rows
 
     if rows > stream_rows():
         raise SystemExit(f"{rows} rows: products of more than {stream_rows()} rows do not stream on this CPU")

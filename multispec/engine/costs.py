@@ -399,8 +399,8 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     from multispec.models.llama import affine_rows, stream_rows
 
     # The kernels' build (their sources and flags), how products stream (AMX tiles, AVX512-BF16
-    # vectors or not at all) and up to how many rows, up to how many rows they read float32
-    # weights as integer blocks change what a step costs, as does what the KV cache stores: any
+    # vectors or not at all) and up to how many rows, and up to how many rows they read float32
+    # weights as integer blocks, change what a step costs, as does what the KV cache stores: any
     # of them re-measures.
     compiled = kernels.build_key() if compiled_kernel(device) is not None else None
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
