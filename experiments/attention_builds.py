@@ -47,7 +47,6 @@ def sources(revision: str | None, into: Path, files: tuple[str, ...] = FILES) ->
     return into
 
 
-
 def alternate(ops: dict, run, rounds: int) -> tuple[float, float, bool]:
     """``run(op)`` (a call's outputs, a list) for the base's and the tree's op in turn, ``rounds``
     times: the median milliseconds of each, and whether their outputs agree bit for bit."""
@@ -60,6 +59,7 @@ def alternate(ops: dict, run, rounds: int) -> tuple[float, float, bool]:
             times[name].append(time.perf_counter() - start)
     base, tree = (statistics.median(times[name]) * 1e3 for name in ("base", "tree"))
     return base, tree, all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+
 
 def build(src: Path, name: str):
     """decode_attention.cpp from ``src`` compiled as torch.ops.<name>.decode_attention."""

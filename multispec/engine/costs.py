@@ -403,12 +403,13 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
     # weights as integer blocks, change what a step costs, as does what the KV cache stores: any
     # of them re-measures.
     compiled = kernels.build_key() if compiled_kernel(device) is not None else None
+    streams = device.type == "cpu" and engine.dtype == kernels.stream_dtype()
     return {"format": FORMAT, "model": model_key, "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "device": device.type, "processor": processor, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "multispec": __version__, "compiled_kernels": compiled,
-            "stream_products": kernels.stream_kind() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0,
-            "stream_rows": stream_rows() if device.type == "cpu" and engine.dtype == kernels.stream_dtype() else 0,
+            "stream_products": kernels.stream_kind() if streams else 0,
+            "stream_rows": stream_rows() if streams else 0,
             "integer_block_rows": affine_rows() if device.type == "cpu" and engine.dtype == torch.float32 else 0}
 
 

@@ -193,8 +193,7 @@ void configure_stream(int64_t rows) {
 }
 
 // How far ahead (in elements) a pass of more than 16 rows asks for its weight, into L2: sixteen
-// k blocks.
-// With one row block the tiles keep up with memory on the hardware prefetcher alone (asking
+// k blocks. With one row block the tiles keep up with memory on the hardware prefetcher alone (asking
 // ahead made 1 to 16 rows 0-3% slower); from two blocks on the tile products take about as long
 // as reading their weights, and without asking ahead the two ran one after the other: 17 to 48
 // rows 0.91-0.93x the time with it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX).
