@@ -6,8 +6,9 @@ self CPU time and the share of the step spent in matrix products (mm/bmm/addmm/l
 the streaming products of a few rows) against everything else. The compiled layer stack
 (``multispec::decode_layers``) runs each part of a layer under a profiler scope
 (``multispec::layers.qkv_product``, ``.attention``, ``.norm``, ...): they are listed with the
-operators, summed per step in a table of their own, and its products count as products
-(``MULTISPEC_KERNELS=0`` shows the portable path's operators instead).
+operators, summed per step in a table of their own, and its products count as products, the
+gate/up product fused with its activation (``gate_up_silu``) among them (``MULTISPEC_KERNELS=0``
+shows the portable path's operators instead).
 
     python benchmarks/profile_step.py --samples 16
     python benchmarks/profile_step.py --samples 128 --dtype float32
@@ -51,7 +52,9 @@ def main() -> None:
     engine.abort("profile")
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
-    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL or e.key.endswith("_product"))
+    # The fused gate/up product with its activation (``gate_up_silu``, on AMX tiles) counts as a product.
+    matmul = sum(e.self_cpu_time_total for e in events
+                 if e.key in MATMUL or e.key.endswith("_product") or e.key.endswith("gate_up_silu"))
     print(f"{args.samples} samples, {args.context} tokens in, {llm.dtype}: {1e3 * wall:.1f} ms a step "
           f"(profiled); matrix products {matmul / total:.0%} of operator time\n")
     parts = sorted((e for e in events if e.key.startswith("multispec::layers.")), key=lambda e: -e.cpu_time_total)

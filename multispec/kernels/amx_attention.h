@@ -55,6 +55,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Loads a tile configuration. GCC 12's _tile_loadconfig does not tell the compiler that it reads
+// the configuration's memory, so the stores that filled it in can be dropped as dead (a tile
+// configuration built in a loop was, and the load faulted on a configuration of zeros); the
+// instruction written out with the configuration as its memory operand keeps them.
+inline void load_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
+
 // Eight tiles of 16 rows x 64 bytes: tmm0-3 accumulate, tmm4-5 hold A and B operands, tmm6-7 the
 // queries.
 inline void configure() {
@@ -63,7 +69,7 @@ inline void configure() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  _tile_loadconfig(&config);
+  load_config(config);
 }
 
 // Releases the tiles when the worker's share of the items is done (the matrix library configures

@@ -83,6 +83,16 @@ inline float exp_nonpositive(float x) {
   return vanishes ? 0.0f : p * scale;
 }
 
+// round(silu(gate)) * up, not yet rounded itself: silu(x) = x * sigmoid(x), the sigmoid from
+// exp(-|x|) so that the exponent is never positive. The layer stack's activation and the fused
+// gate/up product's (stream_gemm.cpp) both call this, so the two agree bit for bit.
+template <typename scalar_t>
+inline float silu_times(float gate, float up) {
+  const float e = exp_nonpositive(-std::fabs(gate));
+  const float sigmoid = (gate >= 0.0f ? 1.0f : e) / (1.0f + e);
+  return rounded<scalar_t>(gate * sigmoid) * up;
+}
+
 // Items 0 .. n-1 shared among the intra-op threads so that none waits long for another: each
 // thread starts on its own contiguous share, in order, and one that runs out takes the last item of
 // the share with the most left, one at a time, until nothing is left. With fixed halves, one of the

@@ -189,7 +189,7 @@ void configure_stream(int64_t rows) {
       config.rows[b] = config.rows[4 + b] = r;
     }
   }
-  _tile_loadconfig(&config);
+  multispec_amx::load_config(config);
 }
 
 // How far ahead (in elements) a pass of more than 16 rows asks for its weight, into L2: sixteen
@@ -266,6 +266,16 @@ inline void panel_product3(const uint16_t* x, int64_t x_stride, const uint16_t* 
     _tile_stored(0, out + j * 16, PANEL * 4);
     _tile_stored(1, out + 16 * PANEL + j * 16, PANEL * 4);
     _tile_stored(2, out + 32 * PANEL + j * 16, PANEL * 4);
+  }
+}
+
+// One panel's product for ``chunk`` rows (tiles configured by configure_stream(chunk)) into out.
+inline void amx_panel(int64_t chunk, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t kblocks,
+                      float* out) {
+  switch ((chunk + 15) / 16) {
+    case 1: panel_product<1>(x, x_stride, w, kblocks, out); break;
+    case 2: panel_product<2>(x, x_stride, w, kblocks, out); break;
+    default: panel_product3(x, x_stride, w, kblocks, out); break;
   }
 }
 
@@ -593,12 +603,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
         configure_stream(chunk);
         const uint16_t* xc = xp + r0 * k;
         for (int64_t p = begin; p < end; ++p) {
-          const uint16_t* w = wp + p * panel_elems;
-          switch ((chunk + 15) / 16) {
-            case 1: panel_product<1>(xc, k, w, kblocks, out); break;
-            case 2: panel_product<2>(xc, k, w, kblocks, out); break;
-            default: panel_product3(xc, k, w, kblocks, out); break;
-          }
+          amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out);
           // Round each row's 32 sums (plus the bias) to bf16, nearest even, sixteen lanes at a time.
           __m512 bias_lo, bias_hi;
           panel_bias(p, bias_lo, bias_hi);
@@ -635,12 +640,73 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
   return y;
 }
 
+// silu(gate) * up of a fused gate/up product: x [M, K] times W^T, W = [gate; up] ([2I, K], the
+// gate's I rows first, stream_pack'ed), plus the bias, gives the gate and up halves; the result
+// [M, I] is what stream_linear followed by the layer stack's activation gives, bit for bit (each
+// half rounded to bf16 with its bias, then silu_times, then rounded), without writing the [M, 2I]
+// product or a second pass over it: a thread takes gate panel p and up panel p + I / 32 together
+// and activates them while they are in cache. AMX tiles only (stream_kind() 2), I % 32 == 0.
+at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.dim() == 5 && packed.size(0) % 2 == 0 && packed.size(2) == 2 && packed.size(3) == 16 &&
+                  packed.size(4) == 32,
+              "stream_gate_up takes bf16 x [rows, in] and a stream_pack'ed gate/up weight of an even panel count");
+  const int64_t rows = x.size(0), half = packed.size(0) / 2, kblocks = packed.size(1);
+  const int64_t n = half * PANEL, k = kblocks * KBLOCK;
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  if (b.defined()) TORCH_CHECK(b.numel() == 2 * n && b.scalar_type() == at::kBFloat16, "bias must be bf16 [out]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  TORCH_CHECK(stream_kind() == 2, "stream_gate_up needs AMX tiles on this CPU (and MULTISPEC_STREAM not 0)");
+#ifdef MULTISPEC_AMX
+  using multispec_kernels::rounded;
+  using multispec_kernels::widen;
+  const at::Tensor xin = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const c10::BFloat16* bp = b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t panel_elems = kblocks * 2 * 512;
+  at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    multispec_amx::Release release{true};
+    alignas(64) float gate[MAX_ROWS * PANEL];
+    alignas(64) float up[MAX_ROWS * PANEL];
+    float gate_bias[PANEL] = {}, up_bias[PANEL] = {};
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+      const int64_t chunk = std::min(MAX_ROWS, rows - r0);
+      configure_stream(chunk);
+      const uint16_t* xc = xp + r0 * k;
+      for (int64_t p = begin; p < end; ++p) {
+        amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gate);
+        amx_panel(chunk, xc, k, wp + (p + half) * panel_elems, kblocks, up);
+        if (bp != nullptr)
+          for (int64_t c = 0; c < PANEL; ++c) {
+            gate_bias[c] = widen(bp[p * PANEL + c]);
+            up_bias[c] = widen(bp[n + p * PANEL + c]);
+          }
+        for (int64_t r = 0; r < chunk; ++r) {
+          const float* g = gate + r * PANEL;
+          const float* u = up + r * PANEL;
+          c10::BFloat16* o = yp + (r0 + r) * n + p * PANEL;
+          for (int64_t c = 0; c < PANEL; ++c)
+            o[c] = multispec_kernels::narrow_to<c10::BFloat16>(multispec_kernels::silu_times<c10::BFloat16>(
+                rounded<c10::BFloat16>(g[c] + gate_bias[c]), rounded<c10::BFloat16>(u[c] + up_bias[c])));
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 }  // namespace multispec
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("stream_pack(Tensor weight) -> Tensor");
   m.def("affine_pack(Tensor weight) -> Tensor?");
   m.def("stream_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("stream_gate_up(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("stream_available() -> bool", &multispec::stream_available);
   m.def("stream_kind() -> int", &multispec::stream_kind);
 }
@@ -649,4 +715,5 @@ TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("stream_pack", &stream_pack);
   m.impl("affine_pack", &affine_pack);
   m.impl("stream_linear", &multispec::stream_linear);
+  m.impl("stream_gate_up", &multispec::stream_gate_up);
 }
