@@ -56,9 +56,9 @@ struct alignas(64) TileConfig {
 };
 
 // Loads a tile configuration. GCC 12's _tile_loadconfig does not tell the compiler that it reads
-// the configuration's memory, so the stores that filled it in can be dropped as dead (a tile
-// configuration built in a loop was, and the load faulted on a configuration of zeros); the
-// instruction written out with the configuration as its memory operand keeps them.
+// the configuration's memory, so the stores that fill it in can be dropped as dead (those of a
+// configuration built in a loop were, and loading what was left faulted); the instruction
+// written out with the configuration as its memory operand keeps them.
 inline void load_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
 
 // Eight tiles of 16 rows x 64 bytes: tmm0-3 accumulate, tmm4-5 hold A and B operands, tmm6-7 the
