@@ -269,6 +269,17 @@ inline void panel_product3(const uint16_t* x, int64_t x_stride, const uint16_t* 
   }
 }
 
+// body(r0, chunk) for each pass of at most MAX_ROWS rows (rows r0 .. r0 + chunk - 1), the tiles
+// configured for it.
+template <typename Body>
+inline void for_row_passes(int64_t rows, const Body& body) {
+  for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+    const int64_t chunk = std::min(MAX_ROWS, rows - r0);
+    configure_stream(chunk);
+    body(r0, chunk);
+  }
+}
+
 // One panel's product for ``chunk`` rows (tiles configured by configure_stream(chunk)) into out.
 inline void amx_panel(int64_t chunk, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t kblocks,
                       float* out) {
@@ -598,9 +609,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       multispec_amx::Release release{true};
       alignas(64) float out[MAX_ROWS * PANEL];
-      for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        const int64_t chunk = std::min(MAX_ROWS, rows - r0);
-        configure_stream(chunk);
+      for_row_passes(rows, [&](int64_t r0, int64_t chunk) {
         const uint16_t* xc = xp + r0 * k;
         for (int64_t p = begin; p < end; ++p) {
           amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out);
@@ -614,7 +623,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
             _mm512_storeu_si512(yp + (r0 + r) * n + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
           }
         }
-      }
+      });
     });
     return y;
   }
@@ -673,9 +682,7 @@ at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const s
     alignas(64) float gate[MAX_ROWS * PANEL];
     alignas(64) float up[MAX_ROWS * PANEL];
     float gate_bias[PANEL] = {}, up_bias[PANEL] = {};
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-      const int64_t chunk = std::min(MAX_ROWS, rows - r0);
-      configure_stream(chunk);
+    for_row_passes(rows, [&](int64_t r0, int64_t chunk) {
       const uint16_t* xc = xp + r0 * k;
       for (int64_t p = begin; p < end; ++p) {
         amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gate);
@@ -694,7 +701,7 @@ at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const s
                 rounded<c10::BFloat16>(g[c] + gate_bias[c]), rounded<c10::BFloat16>(u[c] + up_bias[c])));
         }
       }
-    }
+    });
   });
 #endif
   return y;
