@@ -217,7 +217,9 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     if (std::is_same_v<scalar_t, c10::BFloat16> && gate_up_stream != nullptr && tokens <= stream_rows &&
         multispec::stream_kind() == 2) {
       // On tiles the activation runs on each pair of gate and up panels as they come out of the
-      // product: no [T, 2I] product written and read again, one parallel loop fewer a layer.
+      // product: no [T, 2I] product written and read again, one parallel loop fewer a layer. (The
+      // stack streams every product or none, so the down product's I is a multiple of 32 and the
+      // up half starts on a panel.)
       LAYER_PART("gate_up_silu");
       activated = multispec::stream_gate_up(normed, *gate_up_stream, gate_up_bias.get(layer));
     } else {
