@@ -49,9 +49,11 @@ print(statistics.median(times) * 1e3)
 
 
 def step_ms(root: str, samples: int, context: int, steps: int) -> float:
-    out = subprocess.run([sys.executable, "-c", TIMER, root, str(samples), str(context), str(steps)], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", TIMER, root, str(samples), str(context), str(steps)], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the {'revision' if root else 'working tree'}'s step timer failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -65,8 +67,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         worktree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.base], cwd=ROOT, check=True,
-                       capture_output=True)
+        added = subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.base], cwd=ROOT,
+                               capture_output=True, text=True)
+        if added.returncode != 0:
+            sys.exit(f"cannot check out {args.base}: {added.stderr.strip()}")
         try:
             for samples in (int(s) for s in args.samples.split(",")):
                 ratios = []
