@@ -13,6 +13,7 @@ samples' own keys and values come from memory); the time is the median over ``--
 
     python experiments/attention_builds.py --base HEAD~1 --shapes 16.128.0.127,16.128.2.127
     python experiments/attention_builds.py --dtype bfloat16 --kv-cache-dtype bfloat16
+    python experiments/attention_builds.py --dtype bfloat16 --room 512   # slots laid out as the engine's
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ def build(src: Path, name: str):
     return getattr(torch.ops, name).decode_attention
 
 
-def inputs(shape: str, dtype: torch.dtype, cache_dtype: torch.dtype, layers: int = 30):
+def inputs(shape: str, dtype: torch.dtype, cache_dtype: torch.dtype, room: int = 0, layers: int = 30):
     batch, own, drafts, plen = map(int, shape.split("."))
     gen = torch.Generator().manual_seed(0)
     kv_heads, heads, dim = 3, 9, 64
-    tokens, prompts, capacity = batch * (1 + drafts), -(-batch // 16), own + 1 + drafts
+    tokens, prompts = batch * (1 + drafts), -(-batch // 16)
+    capacity = max(room, own + 1 + drafts)
     q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
     own_k, own_v = (torch.randn(layers, batch, kv_heads, capacity, dim, generator=gen).to(cache_dtype) for _ in "kv")
     prompt_k, prompt_v = (torch.randn(layers, prompts, kv_heads, plen, dim, generator=gen).to(cache_dtype)
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
+    parser.add_argument("--room", type=int, default=0,
+                        help="positions a sample slot has room for (0: its keys and nothing more; the engine's "
+                             "slots for 256-token answers have 512)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     cache_dtype = dtype if args.kv_cache_dtype == "auto" else torch.bfloat16
@@ -124,7 +129,7 @@ def main() -> None:
         print("| shape | base ms | tree ms | tree / base | same output |")
         print("|---|---|---|---|---|")
         for shape in args.shapes.split(","):
-            calls = inputs(shape, dtype, cache_dtype)
+            calls = inputs(shape, dtype, cache_dtype, args.room)
             base, tree, same = alternate(ops, lambda op: [op(*call) for call in calls], args.rounds)
             print(f"| {shape} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
 
