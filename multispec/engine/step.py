@@ -18,7 +18,7 @@ from multispec.engine.cache import KVCache
 from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
-from multispec.verify.sampling import sample_rows
+from multispec.verify.sampling import TOKEN, sample_rows
 from multispec.verify.tree import layout_of_trees
 
 
@@ -111,6 +111,10 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
+    if alternatives[0] <= 0 and not truncated and not any(tree.tokens for tree in trees):
+        drawn = _draw_plain(step, logits, requests)
+        if drawn is not None:
+            return drawn
     probs, step.logsumexp, greedy_tokens = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
     groups: dict[str, list[int]] = {}
@@ -169,6 +173,30 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         results.append(Verified(paths[b], bonus[b], token_probs[start:end], None if top is None else top[start:end]))
         start = end
     return results
+
+
+def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> list[Verified] | None:
+    """A step without drafts whose probabilities nobody reads but each drawn token's (no drafter
+    asks for alternatives, no top-k or top-p): each sample's token drawn in the compiled softmax's
+    own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
+    (``softmax_rows`` then ``sample_rows``: the same code, bit for bit) without the [rows,
+    vocabulary] probabilities written and read back. None where the kernel does not run here."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from multispec import kernels
+
+    op = kernels.softmax_draw()
+    if op is None:
+        return None
+    temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+    u = position_keys(step.samples).at(torch.arange(len(requests)), 0).draw(TOKEN, 0, _FLOAT64)
+    index, step.logsumexp, _, prob, _ = op(logits.contiguous(), temperature, u)
+    # A row whose probabilities sum to zero draws index 0, as sample_rows with the row as its own
+    # fallback does.
+    return [Verified([], token, [p], None) for token, p in zip(index.tolist(), prob.tolist())]
+
+
+_FLOAT64 = torch.empty(0, dtype=torch.float64)
 
 
 def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -100,6 +100,12 @@ def sample_rows():
     return _op("sample_rows")
 
 
+def softmax_draw():
+    """``torch.ops.multispec.softmax_draw`` (``softmax_rows`` then ``sample_rows`` in one pass, see
+    ``sampling.cpp``), or None as above."""
+    return _op("softmax_draw")
+
+
 def stream_available() -> bool:
     """Whether bf16 products can stream their weights through ``stream_linear`` here (see
     ``stream_kind``)."""

@@ -63,8 +63,10 @@ inline float rounded(float x) {
 
 // exp(x) for x <= 0: 2^(x log2 e) split into an integer power, set in the exponent bits, and a
 // degree-6 polynomial on [-0.5, 0.5] (relative error below 2e-7); 0 below -87, where float32's
-// normal range ends (-inf included), as the exact exponential rounds there.
-inline float exp_nonpositive(float x) {
+// normal range ends (-inf included), as the exact exponential rounds there. Always inlined: a call
+// left in a loop stops the loop from being vectorised (a sum over a row then runs one float at a
+// time, in another order).
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const bool vanishes = x < -87.0f;
   x = std::max(x, -87.0f);
   const float y = x * 1.44269504088896341f;

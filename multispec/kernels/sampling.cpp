@@ -30,6 +30,59 @@ namespace {
 using multispec_kernels::exp_nonpositive;
 using multispec_kernels::widen;
 
+// One row's softmax: p = softmax(in / t) into out (one-hot at the first maximum where t <= 0), the
+// log-normaliser of the raw logits into lse and the one-hot index (-1 for t > 0) into top; x is
+// the row widened to float32 (vocab floats of scratch). Not inlined: softmax_rows and softmax_draw
+// run this same code, so their probabilities agree bit for bit.
+template <typename scalar_t>
+__attribute__((noinline)) void softmax_row(const scalar_t* in, int64_t vocab, float t, float* x, float* out,
+                                           float& lse, int64_t& top_index) {
+  // The maximum as a vector reduction: a scalar max chain waits on each compare (about 65 us
+  // a row of 49k); max rounds nothing, so any order gives the same value.
+  float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < vocab; ++i) {
+    x[i] = widen(in[i]);
+    top = x[i] > top ? x[i] : top;
+  }
+  float raw = 0.0f, scaled = 0.0f;
+  if (!(t > 0.0f)) {
+#pragma omp simd reduction(+ : raw)
+    for (int64_t i = 0; i < vocab; ++i) raw += exp_nonpositive(x[i] - top);
+    std::memset(out, 0, vocab * sizeof(float));
+    int64_t first = 0;
+    while (first < vocab - 1 && !(x[first] == top)) ++first;
+    out[first] = 1.0f;
+    lse = top + std::log(raw);
+    top_index = first;
+    return;
+  }
+  top_index = -1;
+  if (t == 1.0f) {
+#pragma omp simd reduction(+ : raw)
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float e = exp_nonpositive(x[i] - top);
+      out[i] = e;
+      raw += e;
+    }
+    scaled = raw;
+  } else {
+    const float inv = 1.0f / t;
+#pragma omp simd reduction(+ : raw, scaled)
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float d = x[i] - top;
+      raw += exp_nonpositive(d);
+      const float e = exp_nonpositive(d * inv);
+      out[i] = e;
+      scaled += e;
+    }
+  }
+  const float norm = 1.0f / scaled;
+#pragma omp simd
+  for (int64_t i = 0; i < vocab; ++i) out[i] *= norm;
+  lse = top + std::log(raw);
+}
+
 template <typename scalar_t>
 void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor& probs, at::Tensor& lse,
                   at::Tensor& top_index) {
@@ -40,56 +93,8 @@ void rows_softmax(const at::Tensor& logits, const float* temperature, at::Tensor
   int64_t* tp = top_index.data_ptr<int64_t>();
   multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> row(vocab);
-    float* x = row.data();
-    for (int64_t r; (r = shares.next(part)) >= 0;) {
-      const scalar_t* in = lp + r * vocab;
-      // The maximum as a vector reduction: a scalar max chain waits on each compare (about 65 us
-      // a row of 49k); max rounds nothing, so any order gives the same value.
-      float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-      for (int64_t i = 0; i < vocab; ++i) {
-        x[i] = widen(in[i]);
-        top = x[i] > top ? x[i] : top;
-      }
-      float* out = pp + r * vocab;
-      float raw = 0.0f, scaled = 0.0f;
-      if (!(temperature[r] > 0.0f)) {
-#pragma omp simd reduction(+ : raw)
-        for (int64_t i = 0; i < vocab; ++i) raw += exp_nonpositive(x[i] - top);
-        std::memset(out, 0, vocab * sizeof(float));
-        int64_t first = 0;
-        while (first < vocab - 1 && !(x[first] == top)) ++first;
-        out[first] = 1.0f;
-        ep[r] = top + std::log(raw);
-        tp[r] = first;
-        continue;
-      }
-      tp[r] = -1;
-      const float t = temperature[r];
-      if (t == 1.0f) {
-#pragma omp simd reduction(+ : raw)
-        for (int64_t i = 0; i < vocab; ++i) {
-          const float e = exp_nonpositive(x[i] - top);
-          out[i] = e;
-          raw += e;
-        }
-        scaled = raw;
-      } else {
-        const float inv = 1.0f / t;
-#pragma omp simd reduction(+ : raw, scaled)
-        for (int64_t i = 0; i < vocab; ++i) {
-          const float d = x[i] - top;
-          raw += exp_nonpositive(d);
-          const float e = exp_nonpositive(d * inv);
-          out[i] = e;
-          scaled += e;
-        }
-      }
-      const float norm = 1.0f / scaled;
-#pragma omp simd
-      for (int64_t i = 0; i < vocab; ++i) out[i] *= norm;
-      ep[r] = top + std::log(raw);
-    }
+    for (int64_t r; (r = shares.next(part)) >= 0;)
+      softmax_row(lp + r * vocab, vocab, temperature[r], row.data(), pp + r * vocab, ep[r], tp[r]);
   });
 }
 
@@ -125,6 +130,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_rows(const at::Tensor& lo
 // (its index is then meaningless: the caller draws that row from its fallback).
 constexpr int64_t BLOCK = 64;
 
+// The running totals of a row's blocks (float32 sums of BLOCK entries, totalled in float64) into
+// cumulative [blocks]. Not inlined, as draw_index: sample_rows and softmax_draw run this same code.
+__attribute__((noinline)) void cumulate(const float* w, int64_t vocab, double* cumulative) {
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t size = std::min(BLOCK, vocab - b * BLOCK);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < size; ++i) sum += w[b * BLOCK + i];
+    running += static_cast<double>(sum);
+    cumulative[b] = running;
+  }
+}
+
+// The index that u picks from a row of weights w with running block totals ``cumulative``; empty
+// where the weights sum to zero (the index is then 0 and meaningless).
+__attribute__((noinline)) int64_t draw_index(const float* w, int64_t vocab, const double* cumulative, double u,
+                                             bool& empty) {
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  const double total = cumulative[blocks - 1];
+  empty = !(total > 0.0);
+  if (empty) return 0;
+  const double target = u * total;
+  // The first block whose running total exceeds the target (an empty block never does).
+  int64_t block = std::upper_bound(cumulative, cumulative + blocks, target) - cumulative;
+  int64_t chosen = -1;
+  if (block < blocks) {
+    const double before = block > 0 ? cumulative[block - 1] : 0.0;
+    const double want = target - before;
+    const int64_t size = std::min(BLOCK, vocab - block * BLOCK);
+    double running = 0.0;
+    for (int64_t i = 0; i < size; ++i) {
+      running += static_cast<double>(w[block * BLOCK + i]);
+      if (running > want) {
+        chosen = block * BLOCK + i;
+        break;
+      }
+    }
+  } else {
+    block = blocks - 1;  // u * total rounded up to the total
+  }
+  // The block's own running sum fell short of its float32 sum by rounding, or the target was at
+  // the total: the last entry of positive weight at or before the block.
+  for (int64_t i = std::min(vocab, (block + 1) * BLOCK) - 1; chosen < 0 && i >= 0; --i)
+    if (w[i] > 0.0f) chosen = i;
+  return chosen;
+}
+
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const at::Tensor& u) {
   TORCH_CHECK(weights.device().is_cpu() && weights.dim() == 2 && weights.is_contiguous() &&
                   weights.scalar_type() == at::kFloat && weights.size(1) > 0,
@@ -142,60 +196,72 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const 
   bool* ep = empty.data_ptr<bool>();
   // A shared row's running totals are computed once.
   std::vector<double> shared_cumulative;
-  auto cumulate = [&](const float* w, double* cumulative) {
-    double running = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t size = std::min(BLOCK, vocab - b * BLOCK);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < size; ++i) sum += w[b * BLOCK + i];
-      running += static_cast<double>(sum);
-      cumulative[b] = running;
-    }
-  };
   if (shared) {
     shared_cumulative.resize(blocks);
-    cumulate(wp, shared_cumulative.data());
+    cumulate(wp, vocab, shared_cumulative.data());
   }
   at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
     std::vector<double> own(shared ? 0 : blocks);
     for (int64_t r = begin; r < end; ++r) {
       const float* w = wp + (shared ? 0 : r * vocab);
-      const double* cumulative = shared ? shared_cumulative.data() : own.data();
-      if (!shared) cumulate(w, own.data());
-      const double total = cumulative[blocks - 1];
-      ep[r] = !(total > 0.0);
-      if (ep[r]) {
-        ip[r] = 0;
-        continue;
-      }
-      const double target = up[r] * total;
-      // The first block whose running total exceeds the target (an empty block never does).
-      int64_t block = std::upper_bound(cumulative, cumulative + blocks, target) - cumulative;
-      int64_t chosen = -1;
-      if (block < blocks) {
-        const double before = block > 0 ? cumulative[block - 1] : 0.0;
-        const double want = target - before;
-        const int64_t size = std::min(BLOCK, vocab - block * BLOCK);
-        double running = 0.0;
-        for (int64_t i = 0; i < size; ++i) {
-          running += static_cast<double>(w[block * BLOCK + i]);
-          if (running > want) {
-            chosen = block * BLOCK + i;
-            break;
-          }
-        }
-      } else {
-        block = blocks - 1;  // u * total rounded up to the total
-      }
-      // The block's own running sum fell short of its float32 sum by rounding, or the target was at
-      // the total: the last entry of positive weight at or before the block.
-      for (int64_t i = std::min(vocab, (block + 1) * BLOCK) - 1; chosen < 0 && i >= 0; --i)
-        if (w[i] > 0.0f) chosen = i;
-      ip[r] = chosen;
+      if (!shared) cumulate(w, vocab, own.data());
+      ip[r] = draw_index(w, vocab, shared ? shared_cumulative.data() : own.data(), up[r], ep[r]);
     }
   });
   return {index, empty};
+}
+
+// softmax_rows and then sample_rows with one uniform per row, in one pass, for a step whose
+// probabilities nobody reads but the drawn token's: each row's probabilities go to a buffer of the
+// task's own, still in cache when the draw reads them, instead of a [rows, vocabulary] matrix
+// written and read back. The same code as the two operators (softmax_row, cumulate, draw_index),
+// so the same index, log-normaliser, one-hot index and probability of the drawn token, bit for bit.
+// Returns (index, lse, top, prob, empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_draw(const at::Tensor& logits,
+                                                                                   const at::Tensor& temperature,
+                                                                                   const at::Tensor& u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous CPU [rows, vocabulary]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.dim() == 1 && temperature.size(0) == rows &&
+                  temperature.is_contiguous(),
+              "temperature must be a contiguous float32 vector with one entry per row");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.size(0) == rows && u.is_contiguous(),
+              "u must be a contiguous float64 vector with one entry per row");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "softmax_draw takes float32 or bfloat16 logits");
+  const auto options = logits.options();
+  auto index = at::empty({rows}, options.dtype(at::kLong));
+  auto lse = at::empty({rows}, options.dtype(at::kFloat));
+  auto top = at::empty({rows}, options.dtype(at::kLong));
+  auto prob = at::empty({rows}, options.dtype(at::kFloat));
+  auto empty = at::empty({rows}, options.dtype(at::kBool));
+  const float* tp = temperature.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  float* lp = lse.data_ptr<float>();
+  int64_t* op = top.data_ptr<int64_t>();
+  float* pp = prob.data_ptr<float>();
+  bool* ep = empty.data_ptr<bool>();
+  auto run = [&](auto element) {
+    using scalar_t = decltype(element);
+    const scalar_t* in = logits.data_ptr<scalar_t>();
+    multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
+      std::vector<float> x(vocab), p(vocab);
+      std::vector<double> cumulative((vocab + BLOCK - 1) / BLOCK);
+      for (int64_t r; (r = shares.next(part)) >= 0;) {
+        softmax_row(in + r * vocab, vocab, tp[r], x.data(), p.data(), lp[r], op[r]);
+        cumulate(p.data(), vocab, cumulative.data());
+        ip[r] = draw_index(p.data(), vocab, cumulative.data(), up[r], ep[r]);
+        pp[r] = p[ip[r]];
+      }
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(c10::BFloat16{});
+  return {index, lse, top, prob, empty};
 }
 
 }  // namespace
@@ -203,9 +269,12 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("softmax_rows(Tensor logits, Tensor temperature) -> (Tensor probs, Tensor lse, Tensor top)");
   m.def("sample_rows(Tensor weights, Tensor u) -> (Tensor index, Tensor empty)");
+  m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> (Tensor index, Tensor lse, Tensor top, "
+        "Tensor prob, Tensor empty)");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("softmax_rows", &softmax_rows);
   m.impl("sample_rows", &sample_rows);
+  m.impl("softmax_draw", &softmax_draw);
 }

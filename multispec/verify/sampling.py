@@ -14,7 +14,9 @@ sources answer:
 - streamed (tests, analysis): uniforms come from a ``torch.Generator`` in call order.
 
 Every draw from a (residual) distribution goes through :func:`sample_rows`; it is the single place
-where the tests plant a bias to show that their statistical checks have power.
+where the tests plant a bias to show that their statistical checks have power. (A step without
+drafts whose probabilities nobody else reads draws in the compiled softmax's own pass instead,
+``softmax_draw``: the same code as ``softmax_rows`` then this, bit for bit.)
 """
 
 from __future__ import annotations

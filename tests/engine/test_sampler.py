@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from multispec import kernels
+from multispec import SamplingParams, kernels
 from multispec.engine.sampler import target_probs, target_probs_and_lse
 
 
@@ -87,3 +87,28 @@ def test_rows_with_top_k_or_top_p_take_the_reference_path():
     assert lse is None and top is None and (probs[0] > 0).sum() == 5
     probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
     assert lse is None
+
+
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+def test_plain_steps_draw_in_the_softmax_pass_with_the_same_tokens(llm, monkeypatch):
+    """Steps without drafts, whose probabilities nobody else reads, draw each token inside the
+    compiled softmax (``softmax_draw``) instead of writing the probabilities for ``sample_rows``;
+    the same seeded requests through both paths must give the same tokens, log-probabilities
+    included, and the fused path must be the one plain decoding takes."""
+    prompt = llm.tokenizer.encode("Natalia sold clips to 48 of her friends in April, and then")
+    params = [SamplingParams(n=3, temperature=t, max_tokens=24, seed=11, logprobs=1) for t in (0.7, 1.0, 0.0)]
+    fused = kernels.softmax_draw()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return fused(*args)
+
+    monkeypatch.setattr(kernels, "softmax_draw", lambda: counted)
+    got = llm.generate([prompt] * 3, params)
+    assert calls
+    monkeypatch.setattr(kernels, "softmax_draw", lambda: None)
+    want = llm.generate([prompt] * 3, params)
+    for a, b in zip(got, want):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.logprobs for o in a.outputs] == [o.logprobs for o in b.outputs]

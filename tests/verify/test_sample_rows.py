@@ -105,3 +105,27 @@ def test_a_target_at_the_total_never_takes_a_zero_weight():
     assert index.tolist() == [BLOCK + 9, 5 * BLOCK - 1] and not empty.any()
     index, empty = torch.ops.multispec.sample_rows(torch.zeros(1, 100), torch.tensor([0.5], dtype=torch.float64))
     assert empty.tolist() == [True]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_softmax_and_draw_is_the_two_operators_bit_for_bit(dtype):
+    """A step without drafts draws inside the compiled softmax (``softmax_draw``), where a drafted
+    step takes ``softmax_rows`` then ``sample_rows``; a seeded run repeats the seeded plain run only
+    if the two draw the same token from the same logits and uniform. Rows at temperatures 0 (one-
+    hot), 1 and others, peaked and flat logits, uniforms across [0, 1) and at its ends; every output
+    must agree exactly (a draw from probabilities rounded or summed in another order moves some of
+    the 4,000 draws here)."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 4000, 3001
+    logits = (torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 12.0, rows)[:, None]).to(dtype)
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.2]).repeat(rows // 5)
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    u[:3] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5], dtype=torch.float64)
+    index, lse, top, prob, _ = torch.ops.multispec.softmax_draw(logits, temperature, u)
+    probs, want_lse, want_top = torch.ops.multispec.softmax_rows(logits, temperature)
+    want_index, _ = torch.ops.multispec.sample_rows(probs, u)
+    assert torch.equal(index, want_index) and torch.equal(lse, want_lse) and torch.equal(top, want_top)
+    assert torch.equal(prob, probs[torch.arange(rows), want_index])
+    greedy = temperature == 0
+    assert torch.equal(index[greedy], top[greedy])
