@@ -188,7 +188,7 @@ def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> li
     op = kernels.softmax_draw()
     if op is None:
         return None
-    temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+    temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=logits.device)
     u = position_keys(step.samples).at(torch.arange(len(requests)), 0).draw(TOKEN, 0, _FLOAT64)
     index, step.logsumexp, _, prob, _ = op(logits.contiguous(), temperature, u)
     # A row whose probabilities sum to zero draws index 0, as sample_rows with the row as its own
