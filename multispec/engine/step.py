@@ -189,14 +189,12 @@ def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> li
     if op is None:
         return None
     temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=logits.device)
-    u = position_keys(step.samples).at(torch.arange(len(requests)), 0).draw(TOKEN, 0, _FLOAT64)
+    keys = position_keys(step.samples).at(torch.arange(len(requests)), 0)
+    u = keys.draw(TOKEN, 0, logits.new_empty(0, dtype=torch.float64))
     index, step.logsumexp, _, prob, _ = op(logits.contiguous(), temperature, u)
     # A row whose probabilities sum to zero draws index 0, as sample_rows with the row as its own
     # fallback does.
     return [Verified([], token, [p], None) for token, p in zip(index.tolist(), prob.tolist())]
-
-
-_FLOAT64 = torch.empty(0, dtype=torch.float64)
 
 
 def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -179,6 +179,9 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   const size_t n = qkv.size();
   // The tile-streaming layout of product ``kind`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
   auto streamed = [&](size_t kind, size_t layer) { return stream.empty() ? nullptr : &stream[kind * n + layer]; };
+  // Whether the gate/up products stream on AMX tiles this step, and so carry their activation.
+  const bool fused_activation = std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() &&
+                                tokens <= stream_rows && multispec::stream_kind() == 2;
   for (size_t layer = 0; layer < n; ++layer) {
     {
       LAYER_PART("norm");
@@ -214,8 +217,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     }
     at::Tensor activated;
     const at::Tensor* gate_up_stream = streamed(2, layer);
-    if (std::is_same_v<scalar_t, c10::BFloat16> && gate_up_stream != nullptr && tokens <= stream_rows &&
-        multispec::stream_kind() == 2) {
+    if (fused_activation) {
       // On tiles the activation runs on each pair of gate and up panels as they come out of the
       // product: no [T, 2I] product written and read again, one parallel loop fewer a layer. (The
       // stack streams every product or none, so the down product's I is a multiple of 32 and the
