@@ -14,6 +14,7 @@ samples' own keys and values come from memory); the time is the median over ``--
     python experiments/attention_builds.py --base HEAD~1 --shapes 16.128.0.127,16.128.2.127
     python experiments/attention_builds.py --dtype bfloat16 --kv-cache-dtype bfloat16
     python experiments/attention_builds.py --dtype bfloat16 --room 512   # slots laid out as the engine's
+    python experiments/attention_builds.py --dtype bfloat16 --room 512 --cold   # keys and values from memory
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = "multispec/kernels"
-FILES = ("decode_attention.cpp", "common.h", "amx_attention.h")
+FILES = ("decode_attention.cpp", "decode_attention.h", "common.h", "amx_attention.h")
 
 
 def sources(revision: str | None, into: Path, files: tuple[str, ...] = FILES) -> Path:
@@ -40,24 +41,26 @@ def sources(revision: str | None, into: Path, files: tuple[str, ...] = FILES) ->
     into.mkdir(parents=True)
     for name in files:
         if revision is None:
-            shutil.copy(ROOT / KERNELS / name, into / name)
+            if (ROOT / KERNELS / name).exists():
+                shutil.copy(ROOT / KERNELS / name, into / name)
         else:
-            text = subprocess.run(["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout
-            (into / name).write_text(text)
+            shown = subprocess.run(["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, capture_output=True,
+                                   text=True)
+            if shown.returncode == 0:  # (a header that revision did not have yet is left out)
+                (into / name).write_text(shown.stdout)
     return into
 
 
 def alternate(ops: dict, run, rounds: int) -> tuple[float, float, bool]:
-    """``run(op)`` (a call's outputs, a list) for the base's and the tree's op in turn, ``rounds``
-    times: the median milliseconds of each, and whether their outputs agree bit for bit."""
+    """``run(op)`` (a call's outputs, a list, and the seconds its calls took) for the base's and the
+    tree's op in turn, ``rounds`` times: the median milliseconds of each, and whether their outputs
+    agree bit for bit."""
     times: dict[str, list[float]] = {name: [] for name in ops}
     outs = {}
     for _ in range(rounds):
         for name, op in ops.items():
-            start = time.perf_counter()
-            outs[name] = run(op)
-            times[name].append(time.perf_counter() - start)
+            outs[name], seconds = run(op)
+            times[name].append(seconds)
     base, tree = (statistics.median(times[name]) * 1e3 for name in ("base", "tree"))
     return base, tree, all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
 
@@ -69,14 +72,17 @@ def build(src: Path, name: str):
     from multispec.kernels import FLAGS
 
     path = src / "decode_attention.cpp"
-    text = path.read_text()
-    text = text.replace("TORCH_LIBRARY(multispec,", f"TORCH_LIBRARY({name},")
-    text = text.replace("TORCH_LIBRARY_IMPL(multispec,", f"TORCH_LIBRARY_IMPL({name},")
-    # Its own C++ namespace too: the dynamic linker would otherwise bind both registrations to the
-    # first library's function.
-    text = text.replace("namespace multispec {", f"namespace {name}_impl {{")
-    text = text.replace("&multispec::decode_attention", f"&{name}_impl::decode_attention")
-    path.write_text(text)
+    for source in (path, src / "decode_attention.h"):
+        if not source.exists():
+            continue
+        text = source.read_text()
+        text = text.replace("TORCH_LIBRARY(multispec,", f"TORCH_LIBRARY({name},")
+        text = text.replace("TORCH_LIBRARY_IMPL(multispec,", f"TORCH_LIBRARY_IMPL({name},")
+        # Its own C++ namespace too: the dynamic linker would otherwise bind both registrations to
+        # the first library's function.
+        text = text.replace("namespace multispec {", f"namespace {name}_impl {{")
+        text = text.replace("multispec::", f"{name}_impl::")
+        source.write_text(text)
     cpp_extension.load(name=name, sources=[str(path)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                        build_directory=str(src), is_python_module=False, verbose=False)
     return getattr(torch.ops, name).decode_attention
@@ -117,6 +123,10 @@ def main() -> None:
     parser.add_argument("--room", type=int, default=0,
                         help="positions a sample slot has room for (0: its keys and nothing more; the engine's "
                              "slots for 256-token answers have 512)")
+    parser.add_argument("--cold", action="store_true",
+                        help="before each layer read 9 MB of other memory, as a step reads a layer's weights "
+                             "there: the keys and values then come from memory, as in a step (else each "
+                             "round finds them in the last level cache the previous round filled)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     cache_dtype = dtype if args.kv_cache_dtype == "auto" else torch.bfloat16
@@ -130,7 +140,19 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for shape in args.shapes.split(","):
             calls = inputs(shape, dtype, cache_dtype, args.room)
-            base, tree, same = alternate(ops, lambda op: [op(*call) for call in calls], args.rounds)
+            weights = torch.ones(len(calls), 9_000_000 // 2, dtype=torch.bfloat16) if args.cold else None
+
+            def run(op, calls=calls, weights=weights):
+                outs, seconds = [], 0.0
+                for layer, call in enumerate(calls):
+                    if weights is not None:
+                        weights[layer].sum()
+                    start = time.perf_counter()
+                    outs.append(op(*call))
+                    seconds += time.perf_counter() - start
+                return outs, seconds
+
+            base, tree, same = alternate(ops, run, args.rounds)
             print(f"| {shape} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
 
 

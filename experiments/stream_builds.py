@@ -24,6 +24,7 @@ import ast
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -117,8 +118,12 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             calls = products(llm.model, rows)
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {c[2] for c in calls}}
-            base, tree, same = alternate(ops, lambda op: [op(xs[k], packed, bias) for packed, bias, k in calls],
-                                         args.rounds)
+            def run(op, calls=calls, xs=xs):
+                start = time.perf_counter()
+                outs = [op(xs[k], packed, bias) for packed, bias, k in calls]
+                return outs, time.perf_counter() - start
+
+            base, tree, same = alternate(ops, run, args.rounds)
             print(f"| {rows} | {base:.2f} | {tree:.2f} | {tree / base:.3f} | {'yes' if same else 'NO'} |")
 
 

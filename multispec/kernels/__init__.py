@@ -33,7 +33,7 @@ log = logging.getLogger("multispec")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.cpp", "decode_layers.cpp", "sampling.cpp", "stream_gemm.cpp", "schedule.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attention.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "amx_attention.h", "decode_attention.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
          "-falign-loops=32", "-fopenmp"]
 """Compiler flags. GCC vectorises for 256-bit registers on AVX-512 CPUs unless told otherwise; the

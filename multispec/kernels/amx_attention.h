@@ -151,9 +151,16 @@ struct Scratch {
 // One segment of keys (the prompt's or the sample's own): S^T rows [0, count) at ``st``.
 // The keys two blocks ahead are prefetched: a sample's own keys come from memory, and the tile
 // loads alone left the operator about 10% slower at 16-128 plain samples.
-inline void score_segment(const c10::BFloat16* keys, int64_t step, int64_t count, float* st, Scratch& s) {
+struct NoHook {
+  void operator()() const {}
+};
+
+template <typename Hook = NoHook>
+inline void score_segment(const c10::BFloat16* keys, int64_t step, int64_t count, float* st, Scratch& s,
+                          Hook each_block = {}) {
   for (int64_t k0 = 0; k0 < count; k0 += 16) {
     const int64_t m = std::min<int64_t>(16, count - k0);
+    each_block();
     for (int64_t r = k0 + 32; r < std::min<int64_t>(k0 + 48, count); ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + r * step), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(keys + r * step + 32), _MM_HINT_T0);
@@ -286,12 +293,12 @@ void attend_prompt(int64_t rows, Query query, const c10::BFloat16* pk, const c10
 // Scores of up to sixteen query rows (row i at query(i)) against ``count`` keys, scaled, into
 // out[i * stride + j]: the tile product S^T = K Q^T, read back row by row. For a plain sample's
 // three rows, whose softmax and values' sum stay on the vector path.
-template <typename Query>
+template <typename Query, typename Hook = NoHook>
 inline void score_rows(int64_t rows, Query query, const c10::BFloat16* keys, int64_t step, int64_t count, float scale,
-                       float* out, int64_t stride, Scratch& s) {
+                       float* out, int64_t stride, Scratch& s, Hook each_block = {}) {
   float* st = s.reserve((count + 15) & ~int64_t{15});
   load_queries(0, rows, query, s);
-  score_segment(keys, step, count, st, s);
+  score_segment(keys, step, count, st, s, each_block);
   // Row i of S is column i of S^T: sixteen keys at a time, one gather (lane t reads key j + t).
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(16));

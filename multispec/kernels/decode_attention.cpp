@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "amx_attention.h"
+#include "decode_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -381,29 +382,35 @@ inline void add_values(const float* weights, int64_t rows, int64_t stride, int64
 // scalar_t: the queries', new keys' and output's dtype; cache_t: the caches' (the same, or bf16 caches
 // under float32 activations: keys and values stored rounded to bf16, read back exactly as floats).
 template <typename scalar_t, typename cache_t = scalar_t>
-void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& own_k, const at::Tensor& own_v, const at::Tensor& prompt_k,
-         const at::Tensor& prompt_v, const int64_t* sample_slot, const int64_t* offsets, const int64_t* counts,
-         const int64_t* written, const int64_t* prompt_slot, const int64_t* prompt_len, const bool* tree_mask,
-         int64_t batch, int64_t qmax, double scale, at::Tensor& out) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = own_k.size(1), group = heads / kv_heads;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const cache_t* okp = own_k.data_ptr<cache_t>();
-  const cache_t* ovp = own_v.data_ptr<cache_t>();
-  const cache_t* pkp = prompt_k.data_ptr<cache_t>();
-  const cache_t* pvp = prompt_v.data_ptr<cache_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const scalar_t* knp = k_new.data_ptr<scalar_t>();
-  const scalar_t* vnp = v_new.data_ptr<scalar_t>();
-  cache_t* own_k_out = own_k.data_ptr<cache_t>();
-  cache_t* own_v_out = own_v.data_ptr<cache_t>();
+void run(const multispec::AttentionCall& call) {
+  const int64_t heads = call.heads, dim = call.dim, kv_heads = call.kv_heads, group = heads / kv_heads;
+  const int64_t batch = call.index.batch, qmax = call.index.qmax;
+  const int64_t* sample_slot = call.index.sample_slot;
+  const int64_t* offsets = call.index.offsets;
+  const int64_t* counts = call.index.counts;
+  const int64_t* written = call.index.written;
+  const int64_t* prompt_slot = call.index.prompt_slot;
+  const int64_t* prompt_len = call.index.prompt_len;
+  const bool* tree_mask = call.index.tree_mask;
+  const double scale = call.scale;
+  const scalar_t* qp = static_cast<const scalar_t*>(call.q.data);
+  const cache_t* okp = static_cast<const cache_t*>(call.own_k.data);
+  const cache_t* ovp = static_cast<const cache_t*>(call.own_v.data);
+  const cache_t* pkp = static_cast<const cache_t*>(call.prompt_k.data);
+  const cache_t* pvp = static_cast<const cache_t*>(call.prompt_v.data);
+  scalar_t* op = static_cast<scalar_t*>(call.out.data);
+  const scalar_t* knp = static_cast<const scalar_t*>(call.k_new.data);
+  const scalar_t* vnp = static_cast<const scalar_t*>(call.v_new.data);
+  cache_t* own_k_out = static_cast<cache_t*>(call.own_k.data);
+  cache_t* own_v_out = static_cast<cache_t*>(call.own_v.data);
   constexpr bool same = std::is_same_v<scalar_t, cache_t>;
-  const int64_t kn0 = k_new.stride(0), kn1 = k_new.stride(1), vn0 = v_new.stride(0), vn1 = v_new.stride(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int64_t os0 = own_k.stride(0), os1 = own_k.stride(1), os2 = own_k.stride(2);
-  const int64_t ovs0 = own_v.stride(0), ovs1 = own_v.stride(1), ovs2 = own_v.stride(2);
-  const int64_t ps0 = prompt_k.stride(0), ps1 = prompt_k.stride(1), ps2 = prompt_k.stride(2);
-  const int64_t pvs0 = prompt_v.stride(0), pvs1 = prompt_v.stride(1), pvs2 = prompt_v.stride(2);
-  const int64_t out0 = out.stride(0), out1 = out.stride(1);
+  const int64_t kn0 = call.k_new.s0, kn1 = call.k_new.s1, vn0 = call.v_new.s0, vn1 = call.v_new.s1;
+  const int64_t qs0 = call.q.s0, qs1 = call.q.s1;
+  const int64_t os0 = call.own_k.s0, os1 = call.own_k.s1, os2 = call.own_k.s2;
+  const int64_t ovs0 = call.own_v.s0, ovs1 = call.own_v.s1, ovs2 = call.own_v.s2;
+  const int64_t ps0 = call.prompt_k.s0, ps1 = call.prompt_k.s1, ps2 = call.prompt_k.s2;
+  const int64_t pvs0 = call.prompt_v.s0, pvs1 = call.prompt_v.s1, pvs2 = call.prompt_v.s2;
+  const int64_t out0 = call.out.s0, out1 = call.out.s1;
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Scores straight from the bf16 rows with AVX512-BF16 dot products where the CPU has them.
@@ -419,10 +426,10 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
   bool amx = false;
   std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && multispec_amx::enabled();
+  amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && call.amx;
   if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
     if (amx) {
-      const int64_t tokens = q.size(0);
+      const int64_t tokens = call.tokens;
       partial.reset(new float[tokens * heads * multispec_amx::PARTIAL]);
       // Samples grouped by prompt (slot and length), in batch order within a group; a group's rows
       // are its samples' (token, query head of the kv head) in that order, cut into blocks of 16.
@@ -591,9 +598,15 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, 
 #ifdef MULTISPEC_AMX
         if (amx && count == 1 && rows <= 16) {  // a plain sample: scores on tiles (a few % faster)
           const int64_t base = offsets[b];
+          if (ahead != nullptr) {  // the next item's keys spread over this one's blocks of keys
+            const int64_t lines = (next_item.bytes + 63) / 64, blocks = (own_len + 15) / 16;
+            next_item.key_lines = static_cast<int>((lines + blocks - 1) / blocks);
+          }
           multispec_amx::score_rows(
               rows, [&](int64_t i) { return qp + base * qs0 + (h * group + i) * qs1; }, ok, os2, own_len, fscale,
-              scores.data(), keys, *scratch);
+              scores.data(), keys, *scratch, [&] {
+                if (ahead != nullptr) ahead->next_keys();
+              });
         } else
 #endif
         if (fast) {
@@ -698,28 +711,9 @@ void check_index(const at::Tensor& t, const char* name, int64_t batch) {
 
 namespace multispec {
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                            const at::Tensor& own_k, const at::Tensor& own_v,
-                            const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
-                            const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
-                            const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
-                            const at::Tensor& tree_mask, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && own_k.dim() == 4 && own_v.dim() == 4 && prompt_k.dim() == 4 && prompt_v.dim() == 4,
-              "q is [tokens, heads, dim], the caches [slots, kv_heads, positions, dim]");
-  TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
-                  k_new.size(1) == own_k.size(1) && v_new.size(1) == own_k.size(1),
-              "k_new and v_new are [tokens, kv_heads, dim]");
-  const at::ScalarType cache_type = own_k.scalar_type();
-  TORCH_CHECK(cache_type == q.scalar_type() || (q.scalar_type() == at::kFloat && cache_type == at::kBFloat16),
-              "the caches share q's dtype, or are bfloat16 under float32 q");
-  for (const at::Tensor* t : {&q, &k_new, &v_new, &own_k, &own_v, &prompt_k, &prompt_v}) {
-    const bool cache = t == &own_k || t == &own_v || t == &prompt_k || t == &prompt_v;
-    TORCH_CHECK(t->scalar_type() == (cache ? cache_type : q.scalar_type()),
-                "k_new and v_new share q's dtype, the four caches one dtype");
-    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == q.size(2), "the last dimension must be contiguous head_dim");
-  }
-  TORCH_CHECK(q.size(1) % own_k.size(1) == 0, "query heads must be a multiple of kv heads");
+AttentionIndex attention_index(const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
+                               const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
+                               const at::Tensor& tree_mask) {
   const int64_t batch = counts.size(0);
   for (auto [t, name] : {std::pair{&sample_slot, "sample_slot"}, {&offsets, "offsets"}, {&counts, "counts"},
                          {&written, "written"}, {&prompt_slot, "prompt_slot"}, {&prompt_len, "prompt_len"}})
@@ -727,23 +721,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.dim() == 3 && tree_mask.size(0) == batch &&
                   tree_mask.size(1) == tree_mask.size(2) && tree_mask.is_contiguous(),
               "tree_mask must be a contiguous bool [samples, qmax, qmax]");
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  auto call = [&](auto q_type, auto cache_type_tag) {
-    using Q = decltype(q_type);
-    using C = decltype(cache_type_tag);
-    run<Q, C>(q, k_new, v_new, own_k, own_v, prompt_k, prompt_v, sample_slot.data_ptr<int64_t>(),
-              offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), written.data_ptr<int64_t>(),
-              prompt_slot.data_ptr<int64_t>(), prompt_len.data_ptr<int64_t>(), tree_mask.data_ptr<bool>(), batch,
-              tree_mask.size(1), scale, out);
-  };
-  if (q.scalar_type() == at::kFloat && cache_type == at::kBFloat16)
-    call(float{}, c10::BFloat16{});
-  else if (q.scalar_type() == at::kFloat)
-    call(float{}, float{});
-  else if (q.scalar_type() == at::kBFloat16)
-    call(c10::BFloat16{}, c10::BFloat16{});
+  return {sample_slot.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+          written.data_ptr<int64_t>(), prompt_slot.data_ptr<int64_t>(), prompt_len.data_ptr<int64_t>(),
+          tree_mask.data_ptr<bool>(), batch, tree_mask.size(1)};
+}
+
+void check_attention_caches(at::ScalarType dtype, int64_t heads, int64_t dim, int64_t dims, const at::Tensor& own_k,
+                            const at::Tensor& own_v, const at::Tensor& prompt_k, const at::Tensor& prompt_v) {
+  TORCH_CHECK(own_k.dim() == dims && own_v.dim() == dims && prompt_k.dim() == dims && prompt_v.dim() == dims,
+              "the caches are [slots, kv_heads, positions, dim]", dims == 5 ? ", one per layer" : "");
+  const at::ScalarType cache_type = own_k.scalar_type();
+  TORCH_CHECK(cache_type == dtype || (dtype == at::kFloat && cache_type == at::kBFloat16),
+              "the caches share q's dtype, or are bfloat16 under float32 q");
+  const int64_t kv_heads = own_k.size(-3);
+  for (const at::Tensor* t : {&own_k, &own_v, &prompt_k, &prompt_v}) {
+    TORCH_CHECK(t->scalar_type() == cache_type, "the four caches share one dtype");
+    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == dim, "the last dimension must be contiguous head_dim");
+    TORCH_CHECK(t->size(-3) == kv_heads, "the four caches have the same kv heads");
+  }
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of kv heads");
+}
+
+bool attention_amx() {
+#ifdef MULTISPEC_AMX
+  return multispec_amx::enabled();
+#else
+  return false;
+#endif
+}
+
+void attend(const AttentionCall& call) {
+  if (call.dtype == at::kFloat && call.cache_dtype == at::kBFloat16)
+    run<float, c10::BFloat16>(call);
+  else if (call.dtype == at::kFloat)
+    run<float, float>(call);
+  else if (call.dtype == at::kBFloat16)
+    run<c10::BFloat16, c10::BFloat16>(call);
   else
-    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16, got ", q.scalar_type());
+    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16, got ", call.dtype);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            const at::Tensor& own_k, const at::Tensor& own_v,
+                            const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
+                            const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
+                            const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
+                            const at::Tensor& tree_mask, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
+  TORCH_CHECK(q.dim() == 3, "q is [tokens, heads, dim]");
+  check_attention_caches(q.scalar_type(), q.size(1), q.size(2), 4, own_k, own_v, prompt_k, prompt_v);
+  TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
+                  k_new.size(1) == own_k.size(1) && v_new.size(1) == own_k.size(1),
+              "k_new and v_new are [tokens, kv_heads, dim]");
+  for (const at::Tensor* t : {&q, &k_new, &v_new}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "k_new and v_new share q's dtype");
+    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == q.size(2), "the last dimension must be contiguous head_dim");
+  }
+  AttentionCall call;
+  call.index = attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto rows = [](const at::Tensor& t) { return AttentionRows{t.data_ptr(), t.stride(0), t.stride(1)}; };
+  auto slots = [](const at::Tensor& t) { return AttentionSlots{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; };
+  call.q = rows(q), call.k_new = rows(k_new), call.v_new = rows(v_new), call.out = rows(out);
+  call.own_k = slots(own_k), call.own_v = slots(own_v), call.prompt_k = slots(prompt_k), call.prompt_v = slots(prompt_v);
+  call.tokens = q.size(0), call.heads = q.size(1), call.kv_heads = own_k.size(1), call.dim = q.size(2);
+  call.dtype = q.scalar_type(), call.cache_dtype = own_k.scalar_type();
+  call.scale = scale;
+  call.amx = attention_amx();
+  attend(call);
   return out;
 }
 

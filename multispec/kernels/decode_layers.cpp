@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "decode_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,14 +32,10 @@
 #include <vector>
 
 namespace multispec {
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                            const at::Tensor& own_k, const at::Tensor& own_v, const at::Tensor& prompt_k,
-                            const at::Tensor& prompt_v, const at::Tensor& sample_slot, const at::Tensor& offsets,
-                            const at::Tensor& counts, const at::Tensor& written, const at::Tensor& prompt_slot,
-                            const at::Tensor& prompt_len, const at::Tensor& tree_mask, double scale);
-at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
-at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
-bool stream_available();
+at::Tensor stream_linear_on(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                            int64_t kind);
+at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t kind);
 int64_t stream_kind();
 }
 
@@ -85,13 +82,13 @@ void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, 
   });
 }
 
-// Rotates the first ``heads`` heads of each row of qkv [T, all_heads, D] in place (the halves
-// layout): x * cos + rotate_half(x) * sin, each product and the sum rounded as in the Python path.
+// Rotates the first ``heads`` heads of each of the ``rows`` rows of qkv (``rs`` elements apart, heads
+// ``dim`` apart) in place (the halves layout): x * cos + rotate_half(x) * sin, each product and the
+// sum rounded as in the Python path.
 template <typename scalar_t>
-void rotate(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
-  const int64_t rows = qkv.size(0), dim = qkv.size(2), half = dim / 2;
-  const int64_t rs = qkv.stride(0), hs = qkv.stride(1);
-  scalar_t* p = qkv.data_ptr<scalar_t>();
+void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor& cos, const at::Tensor& sin,
+            int64_t heads) {
+  const int64_t half = dim / 2, hs = dim;
   const scalar_t* cp = cos.data_ptr<scalar_t>();
   const scalar_t* sp = sin.data_ptr<scalar_t>();
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
@@ -144,12 +141,11 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
 #define LAYER_PART(name) RECORD_FUNCTION("multispec::layers." name, std::vector<c10::IValue>())
 
 // The product the Python path's ``Projection`` makes for these rows: the streaming product
-// (stream_gemm.cpp) where the weight has its layout and the rows are within stream_rows, else the
-// library's.
+// (stream_gemm.cpp, of the ``kind`` stream_kind() gave) where the weight has its layout and the rows
+// are within stream_rows, else the library's.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
-                   const at::Tensor* stream, int64_t stream_rows) {
-  if (stream != nullptr && x.size(0) <= stream_rows && multispec::stream_available())
-    return multispec::stream_linear(x, *stream, bias);
+                   const at::Tensor* stream, int64_t stream_rows, int64_t kind) {
+  if (stream != nullptr && x.size(0) <= stream_rows && kind > 0) return multispec::stream_linear_on(x, *stream, bias, kind);
   if (!packed) return at::linear(x, weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -164,24 +160,38 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                   const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
                   const c10::List<std::optional<at::Tensor>>& down_bias, const at::Tensor& final_norm, bool packed,
                   at::TensorList stream, int64_t stream_rows, int64_t heads, int64_t kv_heads, double eps,
-                  const at::Tensor& sample_k, const at::Tensor& sample_v,
-                  const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
-                  const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
-                  const at::Tensor& prompt_slot, const at::Tensor& prompt_len, const at::Tensor& tree_mask,
-                  double scale) {
-  // Below autograd: the per-layer views of the caches and of the fused products (select, narrow,
-  // view) are taken many times a step and live only inside it; without this each built autograd's
-  // view metadata (the caches are ordinary tensors, so even inference mode tracks their views).
+                  const at::Tensor& sample_k, const at::Tensor& sample_v, const at::Tensor& prompt_k,
+                  const at::Tensor& prompt_v, const multispec::AttentionIndex& index, double scale) {
+  // Below autograd: the products' outputs live only inside the step (the caches are ordinary
+  // tensors, so even inference mode would track views of them).
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t tokens = x.size(0), dim = sample_k.size(-1);
+  const int64_t tokens = x.size(0), dim = sample_k.size(-1), width = (heads + 2 * kv_heads) * dim;
   at::Tensor normed = at::empty_like(x);
+  at::Tensor attended = at::empty({tokens, heads * dim}, x.options());  // each layer's, read by its o product
   at::Tensor delta;  // the last block's output, added to x by the next add_norm
   const size_t n = qkv.size();
+  // Which streaming product runs here (MULTISPEC_STREAM / MULTISPEC_AMX), read once a step.
+  const int64_t kind = multispec::stream_kind();
   // The tile-streaming layout of product ``kind`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
-  auto streamed = [&](size_t kind, size_t layer) { return stream.empty() ? nullptr : &stream[kind * n + layer]; };
+  auto streamed = [&](size_t part, size_t layer) { return stream.empty() ? nullptr : &stream[part * n + layer]; };
   // Whether the gate/up products stream on AMX tiles this step, and so carry their activation.
-  const bool fused_activation = std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() &&
-                                tokens <= stream_rows && multispec::stream_kind() == 2;
+  const bool fused_activation =
+      std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() && tokens <= stream_rows && kind == 2;
+  // The attention's arguments: a layer's caches are the layer's offset into each, q, k and v the
+  // fused product's columns (no tensor views: some ten a layer cost more than the checks they
+  // stood for, which decode_layers makes once a step).
+  multispec::AttentionCall call;
+  call.index = index;
+  call.tokens = tokens, call.heads = heads, call.kv_heads = kv_heads, call.dim = dim;
+  call.dtype = x.scalar_type(), call.cache_dtype = sample_k.scalar_type();
+  call.scale = scale;
+  call.amx = multispec::attention_amx();
+  call.out = {attended.data_ptr(), heads * dim, dim};
+  const int64_t cache_bytes = sample_k.element_size();
+  auto layer_slots = [&](const at::Tensor& cache, size_t layer) {
+    return multispec::AttentionSlots{static_cast<char*>(cache.data_ptr()) + layer * cache.stride(0) * cache_bytes,
+                                     cache.stride(1), cache.stride(2), cache.stride(3)};
+  };
   for (size_t layer = 0; layer < n; ++layer) {
     {
       LAYER_PART("norm");
@@ -190,26 +200,27 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     at::Tensor fused;
     {
       LAYER_PART("qkv_product");
-      fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows)
-                  .view({tokens, heads + 2 * kv_heads, dim});
+      fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows, kind);
+      TORCH_CHECK(fused.is_contiguous() && fused.size(1) == width, "the q/k/v product is contiguous [tokens, ", width,
+                  "]");
     }
+    scalar_t* f = fused.data_ptr<scalar_t>();
     {
       LAYER_PART("rotary");
-      rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
+      rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads);
     }
-    at::Tensor q = fused.narrow(1, 0, heads), k = fused.narrow(1, heads, kv_heads);
-    at::Tensor v = fused.narrow(1, heads + kv_heads, kv_heads);
-    at::Tensor attended;
     {
       LAYER_PART("attention");
-      attended = multispec::decode_attention(q, k, v, sample_k.select(0, layer), sample_v.select(0, layer),
-                                             prompt_k.select(0, layer), prompt_v.select(0, layer), sample_slot,
-                                             offsets, counts, written, prompt_slot, prompt_len, tree_mask, scale);
+      call.q = {f, width, dim};
+      call.k_new = {f + heads * dim, width, dim};
+      call.v_new = {f + (heads + kv_heads) * dim, width, dim};
+      call.own_k = layer_slots(sample_k, layer), call.own_v = layer_slots(sample_v, layer);
+      call.prompt_k = layer_slots(prompt_k, layer), call.prompt_v = layer_slots(prompt_v, layer);
+      multispec::attend(call);
     }
     {
       LAYER_PART("o_product");
-      delta = product(attended.view({tokens, heads * dim}), o[layer], o_bias.get(layer), packed, streamed(1, layer),
-                      stream_rows);
+      delta = product(attended, o[layer], o_bias.get(layer), packed, streamed(1, layer), stream_rows, kind);
     }
     {
       LAYER_PART("norm");
@@ -223,12 +234,12 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       // stack streams every product or none, so the down product's I is a multiple of 32 and the
       // up half starts on a panel.)
       LAYER_PART("gate_up_silu");
-      activated = multispec::stream_gate_up(normed, *gate_up_stream, gate_up_bias.get(layer));
+      activated = multispec::stream_gate_up_on(normed, *gate_up_stream, gate_up_bias.get(layer), kind);
     } else {
       at::Tensor both;
       {
         LAYER_PART("gate_up_product");
-        both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, gate_up_stream, stream_rows);
+        both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, gate_up_stream, stream_rows, kind);
       }
       activated = at::empty({tokens, both.size(1) / 2}, x.options());
       LAYER_PART("silu_mul");
@@ -236,7 +247,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     }
     {
       LAYER_PART("down_product");
-      delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows);
+      delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows, kind);
     }
   }
   at::Tensor out = at::empty_like(x);
@@ -273,18 +284,26 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                   "norm weights are contiguous [hidden] in the activations' dtype");
   TORCH_CHECK(final_norm.scalar_type() == x.scalar_type() && final_norm.is_contiguous() &&
                   final_norm.numel() == x.size(1), "the final norm's weight is contiguous [hidden]");
+  // What the attention checks at every call of its operator, once for the step's thirty.
+  TORCH_CHECK(sample_k.device().is_cpu() && sample_v.device().is_cpu() && prompt_k.device().is_cpu() &&
+                  prompt_v.device().is_cpu(), "the caches are on the CPU");
+  multispec::check_attention_caches(x.scalar_type(), heads, sample_k.size(-1), 5, sample_k, sample_v, prompt_k,
+                                    prompt_v);
+  TORCH_CHECK(sample_k.size(2) == kv_heads && sample_v.sizes() == sample_k.sizes() && prompt_k.size(0) == sample_k.size(0) &&
+                  prompt_v.sizes() == prompt_k.sizes(),
+              "the caches are [layers, slots, kv_heads, positions, head_dim], keys and values alike");
+  const multispec::AttentionIndex index =
+      multispec::attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
   at::Tensor hidden = x.clone();  // the residual stream, updated in place
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
                            down, down_bias, final_norm, packed, stream, stream_rows, heads, kv_heads, eps, sample_k,
-                           sample_v, prompt_k, prompt_v, sample_slot, offsets, counts, written, prompt_slot,
-                           prompt_len, tree_mask, scale);
+                           sample_v, prompt_k, prompt_v, index, scale);
     case at::kBFloat16:
       return layers<c10::BFloat16>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
                                    gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, heads,
-                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, sample_slot, offsets,
-                                   counts, written, prompt_slot, prompt_len, tree_mask, scale);
+                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, index, scale);
     default:
       TORCH_CHECK(false, "decode_layers runs float32 and bfloat16 models");
   }
@@ -317,8 +336,9 @@ std::vector<at::Tensor> head_rows(const at::Tensor& features, const at::Tensor& 
   const int64_t rows = features.size(0), hidden = features.size(1), queries = rows / group;
   const int64_t dim = qkv.size(0) / (heads + 2 * kv_heads), past = past_k.size(1);
   const int64_t length = past + group, groups = heads / kv_heads;
-  auto streamed = [&](size_t kind) { return stream.empty() ? nullptr : &stream[kind]; };
+  auto streamed = [&](size_t part) { return stream.empty() ? nullptr : &stream[part]; };
   const std::optional<at::Tensor> none;
+  const int64_t kind = multispec::stream_kind();
 
   // The input product's rows: each feature beside its token's embedding.
   at::Tensor joined = at::empty({rows, 2 * hidden}, features.options());
@@ -332,12 +352,12 @@ std::vector<at::Tensor> head_rows(const at::Tensor& features, const at::Tensor& 
       std::memcpy(jp + r * 2 * hidden + hidden, ep + tp[r] * hidden, hidden * sizeof(scalar_t));
     }
   }
-  at::Tensor x = product(joined, fc, none, packed, streamed(0), stream_rows);
+  at::Tensor x = product(joined, fc, none, packed, streamed(0), stream_rows, kind);
   if (!x.is_contiguous()) x = x.contiguous();
   at::Tensor normed = at::empty_like(x);
   add_norm<scalar_t>(x, at::Tensor(), input_norm, normed, eps);
-  at::Tensor fused = product(normed, qkv, none, packed, streamed(1), stream_rows).view({rows, heads + 2 * kv_heads, dim});
-  rotate<scalar_t>(fused, cos, sin, heads + kv_heads);
+  at::Tensor fused = product(normed, qkv, none, packed, streamed(1), stream_rows, kind).contiguous();
+  rotate<scalar_t>(fused.data_ptr<scalar_t>(), rows, fused.stride(0), dim, cos, sin, heads + kv_heads);
 
   // Each query's path: its parent's keys and values, then its group's own.
   at::Tensor keys = at::empty({queries, length, kv_heads, dim}, features.options());
@@ -419,13 +439,13 @@ std::vector<at::Tensor> head_rows(const at::Tensor& features, const at::Tensor& 
 
   // The queries' residual rows (the last of each group), then o, the MLP and its residual.
   at::Tensor residual = group == 1 ? x : x.view({queries, group, hidden}).select(1, group - 1).contiguous();
-  at::Tensor delta = product(attended, o, none, packed, streamed(2), stream_rows);
+  at::Tensor delta = product(attended, o, none, packed, streamed(2), stream_rows, kind);
   at::Tensor normed_q = at::empty_like(residual);
   add_norm<scalar_t>(residual, delta, post_norm, normed_q, eps);
-  at::Tensor both = product(normed_q, gate_up, none, packed, streamed(3), stream_rows);
+  at::Tensor both = product(normed_q, gate_up, none, packed, streamed(3), stream_rows, kind);
   at::Tensor activated = at::empty({queries, both.size(1) / 2}, features.options());
   silu_mul<scalar_t>(both, activated);
-  delta = product(activated, down, none, packed, streamed(4), stream_rows);
+  delta = product(activated, down, none, packed, streamed(4), stream_rows, kind);
   if (!delta.is_contiguous()) delta = delta.contiguous();
   {
     scalar_t* rp = residual.data_ptr<scalar_t>();

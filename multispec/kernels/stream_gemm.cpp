@@ -548,8 +548,10 @@ int64_t stream_kind() {
 
 bool stream_available() { return stream_kind() > 0; }
 
-// y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W).
-at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// y [M, N] = x [M, K] @ W^T + bias, W given as stream_pack(W), on the product ``kind`` says runs here
+// (stream_kind(), which the layer stack reads once a step rather than once a product).
+at::Tensor stream_linear_on(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                            int64_t kind) {
   if (x.scalar_type() == at::kFloat || packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kByte) {
     // float32 x and a stream_pack'ed float32 weight, or its integer blocks (affine_pack).
     const bool blocks = packed.scalar_type() == at::kByte;
@@ -564,7 +566,7 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
       TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "bias must be float32 [out]");
     at::Tensor y = at::empty({rows, n}, x.options());
     if (rows == 0) return y;
-    TORCH_CHECK(stream_kind() == 3,
+    TORCH_CHECK(kind == 3,
                 "stream_linear in float32 needs AVX2 and FMA without AVX-512 on this CPU (and MULTISPEC_STREAM not 0)");
 #ifdef MULTISPEC_F32_STREAM
     const at::Tensor xin = x.contiguous();
@@ -583,7 +585,6 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be bf16 [out]");
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const int64_t kind = stream_kind();
   TORCH_CHECK(kind == 1 || kind == 2,
               "stream_linear in bf16 needs AMX tiles or AVX512-BF16 on this CPU (and MULTISPEC_STREAM not 0)");
 #if defined(MULTISPEC_AMX) || defined(MULTISPEC_VECTOR_STREAM)
@@ -654,8 +655,9 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const st
 // [M, I] is what stream_linear followed by the layer stack's activation gives, bit for bit (each
 // half rounded to bf16 with its bias, then silu_times, then rounded), without writing the [M, 2I]
 // product or a second pass over it: a thread takes gate panel p and up panel p + I / 32 together
-// and activates them while they are in cache. AMX tiles only (stream_kind() 2), I % 32 == 0.
-at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// and activates them while they are in cache. AMX tiles only (``kind``: stream_kind() 2), I % 32 == 0.
+at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   packed.dim() == 5 && packed.size(0) % 2 == 0 && packed.size(2) == 2 && packed.size(3) == 16 &&
                   packed.size(4) == 32,
@@ -667,7 +669,7 @@ at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const s
   if (b.defined()) TORCH_CHECK(b.numel() == 2 * n && b.scalar_type() == at::kBFloat16, "bias must be bf16 [out]");
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  TORCH_CHECK(stream_kind() == 2, "stream_gate_up needs AMX tiles on this CPU (and MULTISPEC_STREAM not 0)");
+  TORCH_CHECK(kind == 2, "stream_gate_up needs AMX tiles on this CPU (and MULTISPEC_STREAM not 0)");
 #ifdef MULTISPEC_AMX
   using multispec_kernels::rounded;
   using multispec_kernels::widen;
@@ -705,6 +707,15 @@ at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const s
   });
 #endif
   return y;
+}
+
+// The operators: the kind read at every call, so that MULTISPEC_STREAM / MULTISPEC_AMX switch paths.
+at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return stream_linear_on(x, packed, bias, stream_kind());
+}
+
+at::Tensor stream_gate_up(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return stream_gate_up_on(x, packed, bias, stream_kind());
 }
 
 }  // namespace multispec
