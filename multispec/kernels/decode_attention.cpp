@@ -491,7 +491,7 @@ void run(const multispec::AttentionCall& call) {
   const int key_lines = static_cast<int>(dim * static_cast<int64_t>(sizeof(cache_t)) / (4 * group)) + 2;
   const int value_lines = static_cast<int>(std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(cache_t)) / 64));
   auto work = [&](int64_t part, multispec_kernels::Shares& shares) {
-    std::vector<float> qf, scores, acc, row_buf(dim);
+    std::vector<float> qf, scores, acc, totals, row_buf(dim);  // grown once a call, not once an item
 #ifdef MULTISPEC_AMX
     std::unique_ptr<multispec_amx::Scratch> scratch;
     if (amx) {
@@ -641,7 +641,7 @@ void run(const multispec::AttentionCall& call) {
       // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
       // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
       // sum and total weight are rescaled to the common maximum.
-      std::vector<float> totals(rows);
+      totals.resize(rows);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * keys;
         float top = neg_inf;
