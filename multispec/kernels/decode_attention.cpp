@@ -783,7 +783,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   auto rows = [](const at::Tensor& t) { return AttentionRows{t.data_ptr(), t.stride(0), t.stride(1)}; };
   auto slots = [](const at::Tensor& t) { return AttentionSlots{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; };
   call.q = rows(q), call.k_new = rows(k_new), call.v_new = rows(v_new), call.out = rows(out);
-  call.own_k = slots(own_k), call.own_v = slots(own_v), call.prompt_k = slots(prompt_k), call.prompt_v = slots(prompt_v);
+  call.own_k = slots(own_k), call.own_v = slots(own_v);
+  call.prompt_k = slots(prompt_k), call.prompt_v = slots(prompt_v);
   call.tokens = q.size(0), call.heads = q.size(1), call.kv_heads = own_k.size(1), call.dim = q.size(2);
   call.dtype = q.scalar_type(), call.cache_dtype = own_k.scalar_type();
   call.scale = scale;

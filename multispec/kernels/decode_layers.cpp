@@ -145,7 +145,8 @@ using PackedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std:
 // are within stream_rows, else the library's.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool packed,
                    const at::Tensor* stream, int64_t stream_rows, int64_t kind) {
-  if (stream != nullptr && x.size(0) <= stream_rows && kind > 0) return multispec::stream_linear_on(x, *stream, bias, kind);
+  if (stream != nullptr && x.size(0) <= stream_rows && kind > 0)
+    return multispec::stream_linear_on(x, *stream, bias, kind);
   if (!packed) return at::linear(x, weight, bias);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -172,7 +173,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   const size_t n = qkv.size();
   // Which streaming product runs here (MULTISPEC_STREAM / MULTISPEC_AMX), read once a step.
   const int64_t kind = multispec::stream_kind();
-  // The tile-streaming layout of product ``kind`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
+  // The tile-streaming layout of product ``part`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
   auto streamed = [&](size_t part, size_t layer) { return stream.empty() ? nullptr : &stream[part * n + layer]; };
   // Whether the gate/up products stream on AMX tiles this step, and so carry their activation.
   const bool fused_activation =
@@ -289,8 +290,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                   prompt_v.device().is_cpu(), "the caches are on the CPU");
   multispec::check_attention_caches(x.scalar_type(), heads, sample_k.size(-1), 5, sample_k, sample_v, prompt_k,
                                     prompt_v);
-  TORCH_CHECK(sample_k.size(2) == kv_heads && sample_v.sizes() == sample_k.sizes() && prompt_k.size(0) == sample_k.size(0) &&
-                  prompt_v.sizes() == prompt_k.sizes(),
+  TORCH_CHECK(sample_k.size(2) == kv_heads && sample_v.sizes() == sample_k.sizes() &&
+                  prompt_k.size(0) == sample_k.size(0) && prompt_v.sizes() == prompt_k.sizes(),
               "the caches are [layers, slots, kv_heads, positions, head_dim], keys and values alike");
   const multispec::AttentionIndex index =
       multispec::attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
