@@ -183,13 +183,16 @@ inline void score_segment(const c10::BFloat16* keys, int64_t step, int64_t count
 
 // out[q][:] += sum over the segment's keys of weight[q][key] * value[key][:], the weights (S^T
 // rows after the softmax) at ``st``, into tiles 0-3.
-inline void add_segment(const float* st, const c10::BFloat16* values, int64_t step, int64_t count, Scratch& s) {
+template <typename Hook = NoHook>
+inline void add_segment(const float* st, const c10::BFloat16* values, int64_t step, int64_t count, Scratch& s,
+                        Hook each_chunk = {}) {
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t j0 = 0; j0 < count; j0 += 32) {
+    each_chunk();
     __m512i w[16];
     for (int p = 0; p < 16; ++p) {
       const int64_t a = j0 + 2 * p, b = a + 1;
@@ -316,17 +319,24 @@ inline void score_rows(int64_t rows, Query query, const c10::BFloat16* keys, int
 // The own half of one sample's ``rows`` query rows (row i at query(i)) over its ``own_len`` keys,
 // of which the last ``count`` are the step's new nodes, seen by row i only where visible(i, node),
 // merged with the row's prompt partial at prior(i). Writes row i's output at out(i).
-template <typename Query, typename Visible, typename Prior, typename Out>
+// ``each_key_block`` runs before each block of sixteen keys is scored, ``each_value_chunk`` before
+// each thirty-two values are added, in the first block of rows (the caller asks for the next
+// item's keys and values there).
+template <typename Query, typename Visible, typename Prior, typename Out, typename KeyHook = NoHook,
+          typename ValueHook = NoHook>
 void attend(int64_t rows, Query query, const c10::BFloat16* ok, const c10::BFloat16* ov, int64_t ok_step,
             int64_t ov_step, int64_t own_len, int64_t count, Visible visible, float scale, Prior prior, Out out,
-            Scratch& s) {
+            Scratch& s, KeyHook each_key_block = {}, ValueHook each_value_chunk = {}) {
   float* st = s.reserve((own_len + 15) & ~int64_t{15});
   const int64_t old = own_len - count;
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t i0 = 0; i0 < rows; i0 += 16) {
     const int64_t block = std::min<int64_t>(16, rows - i0);
     load_queries(i0, block, query, s);
-    score_segment(ok, ok_step, own_len, st, s);
+    if (i0 == 0)
+      score_segment(ok, ok_step, own_len, st, s, each_key_block);
+    else
+      score_segment(ok, ok_step, own_len, st, s);
     // Which lanes see each new key (lanes past the block's rows: all, they are never read).
     __mmask16 seen[MAX_NODES];
     const int64_t nodes = std::min<int64_t>(count, MAX_NODES);
@@ -375,7 +385,10 @@ void attend(int64_t rows, Query query, const c10::BFloat16* ok, const c10::BFloa
     _tile_loadd(1, &s.out[0][16], 256);
     _tile_loadd(2, &s.out[0][32], 256);
     _tile_loadd(3, &s.out[0][48], 256);
-    add_segment(st, ov, ov_step, own_len, s);
+    if (i0 == 0)
+      add_segment(st, ov, ov_step, own_len, s, each_value_chunk);
+    else
+      add_segment(st, ov, ov_step, own_len, s);
     _tile_stored(0, &s.out[0][0], 256);
     _tile_stored(1, &s.out[0][16], 256);
     _tile_stored(2, &s.out[0][32], 256);

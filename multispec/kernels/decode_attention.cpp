@@ -559,6 +559,12 @@ void run(const multispec::AttentionCall& call) {
         if (amx && count >= 2 && count <= multispec_amx::MAX_NODES) {
           const bool* mask = tree_mask + b * qmax * qmax;
           const int64_t base = offsets[b];
+          if (ahead != nullptr) {  // the next item's keys and values spread over this one's first rows
+            const int64_t lines = (next_item.bytes + 63) / 64;
+            const int64_t key_blocks = (own_len + 15) / 16, value_chunks = (own_len + 31) / 32;
+            next_item.key_lines = static_cast<int>((lines + key_blocks - 1) / key_blocks);
+            next_item.value_lines = static_cast<int>((lines + value_chunks - 1) / value_chunks);
+          }
           multispec_amx::attend(
               rows, [&](int64_t i) { return qp + (base + i / group) * qs0 + (h * group + i % group) * qs1; },
               okp + sample_slot[b] * os0 + h * os1, ovp + sample_slot[b] * ovs0 + h * ovs1, os2, ovs2, own_len, count,
@@ -566,7 +572,13 @@ void run(const multispec::AttentionCall& call) {
               [&](int64_t i) {
                 return partial.get() + ((base + i / group) * heads + h * group + i % group) * multispec_amx::PARTIAL;
               },
-              [&](int64_t i) { return op + (base + i / group) * out0 + (h * group + i % group) * out1; }, *scratch);
+              [&](int64_t i) { return op + (base + i / group) * out0 + (h * group + i % group) * out1; }, *scratch,
+              [&] {
+                if (ahead != nullptr) ahead->next_keys();
+              },
+              [&] {
+                if (ahead != nullptr) ahead->next_values();
+              });
           continue;
         }
       }
