@@ -333,10 +333,9 @@ void attend(int64_t rows, Query query, const c10::BFloat16* ok, const c10::BFloa
   for (int64_t i0 = 0; i0 < rows; i0 += 16) {
     const int64_t block = std::min<int64_t>(16, rows - i0);
     load_queries(i0, block, query, s);
-    if (i0 == 0)
-      score_segment(ok, ok_step, own_len, st, s, each_key_block);
-    else
-      score_segment(ok, ok_step, own_len, st, s);
+    score_segment(ok, ok_step, own_len, st, s, [&] {
+      if (i0 == 0) each_key_block();
+    });
     // Which lanes see each new key (lanes past the block's rows: all, they are never read).
     __mmask16 seen[MAX_NODES];
     const int64_t nodes = std::min<int64_t>(count, MAX_NODES);
@@ -385,10 +384,9 @@ void attend(int64_t rows, Query query, const c10::BFloat16* ok, const c10::BFloa
     _tile_loadd(1, &s.out[0][16], 256);
     _tile_loadd(2, &s.out[0][32], 256);
     _tile_loadd(3, &s.out[0][48], 256);
-    if (i0 == 0)
-      add_segment(st, ov, ov_step, own_len, s, each_value_chunk);
-    else
-      add_segment(st, ov, ov_step, own_len, s);
+    add_segment(st, ov, ov_step, own_len, s, [&] {
+      if (i0 == 0) each_value_chunk();
+    });
     _tile_stored(0, &s.out[0][0], 256);
     _tile_stored(1, &s.out[0][16], 256);
     _tile_stored(2, &s.out[0][32], 256);
