@@ -106,6 +106,12 @@ def softmax_draw():
     return _op("softmax_draw")
 
 
+def top_rows():
+    """``torch.ops.multispec.top_rows`` (the k likeliest tokens of some rows, see ``sampling.cpp``),
+    or None as above."""
+    return _op("top_rows")
+
+
 def stream_available() -> bool:
     """Whether bf16 products can stream their weights through ``stream_linear`` here (see
     ``stream_kind``)."""

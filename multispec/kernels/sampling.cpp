@@ -264,6 +264,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_d
   return {index, lse, top, prob, empty};
 }
 
+// The k largest entries of some rows of a float32 [R, V] matrix (the target's probabilities), in
+// descending order, ties to the lower index: the alternatives a drafter reads at the tokens a step
+// appended. torch's top-k costs about 40 us a row of 49k here (the vocabulary ranked through a heap
+// of its own, dispatched per call); the k here are a handful, so one pass keeps the k best so far
+// and looks inside a block of BLOCK entries only where the block's maximum beats the k-th: after
+// the first blocks almost none does. rows [N] int64 (rows of ``probs``, repeats allowed); returns
+// values [N, k] float32 and tokens [N, k] int64.
+void top_row(const float* w, int64_t vocab, int64_t k, float* values, int64_t* tokens) {
+  int64_t have = 0;
+  auto offer = [&](float v, int64_t i) {
+    // Entered only where v beats the k-th (or fewer than k are held): a later index with an equal
+    // value goes after the earlier one, never before it.
+    int64_t j = have < k ? have++ : k - 1;
+    while (j > 0 && values[j - 1] < v) {
+      values[j] = values[j - 1];
+      tokens[j] = tokens[j - 1];
+      --j;
+    }
+    values[j] = v;
+    tokens[j] = i;
+  };
+  for (int64_t i = 0; i < std::min(k, vocab); ++i) offer(w[i], i);
+  for (int64_t start = k; start < vocab; start += BLOCK) {
+    const int64_t size = std::min(BLOCK, vocab - start);
+    float most = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < size; ++i) most = w[start + i] > most ? w[start + i] : most;
+    if (!(most > values[k - 1])) continue;
+    for (int64_t i = 0; i < size; ++i)
+      if (w[start + i] > values[k - 1]) offer(w[start + i], start + i);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& probs, const at::Tensor& rows, int64_t k) {
+  TORCH_CHECK(probs.device().is_cpu() && probs.dim() == 2 && probs.is_contiguous() &&
+                  probs.scalar_type() == at::kFloat,
+              "probs must be a contiguous float32 CPU [rows, vocabulary]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "rows must be a contiguous int64 vector");
+  const int64_t vocab = probs.size(1), n = rows.size(0);
+  TORCH_CHECK(k >= 1 && k <= vocab, "k must be in [1, vocabulary], got ", k);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < probs.size(0), "row ", rp[r], " is outside probs' ", probs.size(0), " rows");
+  auto values = at::empty({n, k}, probs.options());
+  auto tokens = at::empty({n, k}, probs.options().dtype(at::kLong));
+  const float* pp = probs.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  multispec_kernels::balanced_for(n, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t r; (r = shares.next(part)) >= 0;) top_row(pp + rp[r] * vocab, vocab, k, vp + r * k, tp + r * k);
+  });
+  return {values, tokens};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
@@ -271,10 +326,12 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("sample_rows(Tensor weights, Tensor u) -> (Tensor index, Tensor empty)");
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> (Tensor index, Tensor lse, Tensor top, "
         "Tensor prob, Tensor empty)");
+  m.def("top_rows(Tensor probs, Tensor rows, int k) -> (Tensor values, Tensor tokens)");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("softmax_rows", &softmax_rows);
   m.impl("sample_rows", &sample_rows);
   m.impl("softmax_draw", &softmax_draw);
+  m.impl("top_rows", &top_rows);
 }

@@ -112,3 +112,50 @@ def test_plain_steps_draw_in_the_softmax_pass_with_the_same_tokens(llm, monkeypa
     for a, b in zip(got, want):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.logprobs for o in a.outputs] == [o.logprobs for o in b.outputs]
+
+
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+def test_compiled_top_rows_ranks_like_torch_with_ties_to_the_lower_index():
+    """The drafter's alternatives (the k likeliest tokens of the rows a step appended at): the
+    compiled ranking against torch's top-k on distinct values (the same tokens and values, in
+    order), rows taken in any order and more than once, the best entry in the first k or the last
+    block, and exact ties (bf16 logits make them common): equal values in ascending index order."""
+    op = kernels.top_rows()
+    gen = torch.Generator().manual_seed(11)
+    probs = torch.softmax(torch.randn(5, 49152, generator=gen, dtype=torch.float64) * 3, -1).float()
+    probs[3, 1] = 0.9  # inside the first k entries
+    probs[4, 49151] = 0.9  # in the last, partial block
+    chosen = torch.tensor([4, 0, 3, 0, 2], dtype=torch.long)
+    for k in (1, 4, 70):
+        values, tokens = op(probs, chosen, k)
+        want_values, want_tokens = probs[chosen].topk(k, dim=-1)
+        assert torch.equal(tokens, want_tokens) and torch.equal(values, want_values)
+    tied = torch.zeros(1, 300)
+    tied[0, [250, 5, 130, 64]] = 0.25  # four equal maxima, three of them past the first block
+    tied[0, 7] = 0.125
+    values, tokens = op(tied, torch.tensor([0]), 5)
+    assert tokens.tolist() == [[5, 64, 130, 250, 7]] and values.tolist() == [[0.25] * 4 + [0.125]]
+    with pytest.raises(RuntimeError, match="outside"):
+        op(tied, torch.tensor([1]), 2)
+    with pytest.raises(RuntimeError, match="k must be"):
+        op(tied, torch.tensor([0]), 301)
+
+
+def test_most_likely_gives_each_row_its_alternatives_on_either_path(monkeypatch):
+    """``most_likely`` (what a drafter reads at each appended token) on the compiled ranking and on
+    torch's: the same tokens and values; a row whose sampled token leaves less than the floor to
+    the rest gets None, and rows that repeat share one ranking."""
+    from multispec.engine import step
+
+    gen = torch.Generator().manual_seed(12)
+    probs = torch.softmax(torch.randn(4, 49152, generator=gen) * 3, -1)
+    probs[2] = 0.0
+    probs[2, 9] = 1.0
+    rows_ = [0, 2, 3, 3, 1]
+    token_probs = [0.5, 1.0, 0.2, 0.2, 0.3]
+    compiled = step.most_likely(probs, rows_, token_probs, 4, 0.05)
+    monkeypatch.setattr(step, "_top_rows", lambda probs: None)
+    reference = step.most_likely(probs, rows_, token_probs, 4, 0.05)
+    assert compiled == reference and compiled[1] is None and compiled[2] == compiled[3]
+    values, tokens = probs[3].topk(4)
+    assert reference[2] == (tokens.tolist(), values.tolist())
