@@ -22,13 +22,14 @@ so they never depend on the rest of the batch or on what was drafted.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from multispec.verify import sampling
 from multispec.verify.batch import Selection, normalise
 from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S
 from multispec.verify.recursive import check_copied_after_drawn
-from multispec.verify.sampling import PositionKeys, Uniforms
+from multispec.verify.sampling import PositionKeys, Uniforms, derive
 from multispec.verify.schemes import SCHEMES, Scheme, resolve
 from multispec.verify.validation import check_distribution, check_integer
 
@@ -129,7 +130,8 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     depth one draw for every walking sample (argmax at temperature 0), with the same random numbers
     as ``_walk`` takes (the sample's position keys at that depth, or the generator's next draws), then
     the first child holding the drawn token, if any. Exactly ``_walk``'s result with a handful of
-    tensor operations a depth instead of some forty (the engine's default drafts are copied)."""
+    tensor operations a depth instead of some forty (the engine's default drafts are copied); with
+    position keys and a small forest, every row drawn in one call first (``ALL_ROWS_AT_ONCE``)."""
     tokens, children, node_row = node_tokens.tolist(), layout.children.tolist(), layout.node_row.tolist()
     current, first = layout.root_row.tolist(), layout.first_node.tolist()
     batch, device = len(current), p.device
@@ -137,9 +139,11 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     bonus = [-1] * batch
     walking, depth = list(range(batch)), 0
     tops = argmax.tolist() if argmax is not None else None
+    if tops is None and not greedy and isinstance(rng, PositionKeys) and len(tokens) <= ALL_ROWS_AT_ONCE:
+        tops = _draw_every_row(p, layout, rng, children)
     while walking:
         rows = [current[b] for b in walking]
-        if tops is not None:  # greedy, the rows' argmax given
+        if tops is not None:  # greedy with the rows' argmax given, or every row drawn already
             drawn = [tops[r] for r in rows]
         else:
             every = depth == 0 and len(rows) == p.shape[0]
@@ -162,6 +166,39 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
                 still.append(b)
         walking, depth = still, depth + 1
     return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
+
+
+ALL_ROWS_AT_ONCE = 64
+"""Trees of up to this many nodes in all have every row of p drawn in one call before the
+deterministic walk (``_draw_every_row``) instead of the walking rows depth by depth. A row's draw
+costs some 5-10 us on a CPU (one pass over 49k probabilities), a depth's call about 150 us (its
+keys, a gather of its rows, the call): a few small trees (a step of one request of 4 samples) walk
+2-3 depths, so one call for all rows wins; a large batch's many rows never reached would not."""
+
+
+def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> list[int]:
+    """The token each row of p draws, keyed as the walk keys it: sample b's root row at its start,
+    the row after one of its nodes at depth d at start + d (``PositionKeys.at`` of that depth).
+    Every row's own draw, in one ``sample_rows`` call: the rows the walk reaches take exactly the
+    tokens a draw per depth gives them (each row is drawn alone, from its own uniform)."""
+    node_row = layout.node_row.tolist()
+    row_sample = [0] * p.shape[0]
+    row_depth = [0] * p.shape[0]
+    frontier = layout.root_row.tolist()
+    for b, row in enumerate(frontier):
+        row_sample[row] = b
+    while frontier:
+        grown = []
+        for row in frontier:
+            for kid in children[row]:
+                if kid >= 0:
+                    below = node_row[kid]
+                    row_sample[below], row_depth[below] = row_sample[row], row_depth[row] + 1
+                    grown.append(below)
+        frontier = grown
+    samples = np.asarray(row_sample, dtype=np.int64)
+    keys = derive(rng.sample_keys[samples], rng.start[samples] + np.asarray(row_depth, dtype=np.int64))
+    return sampling.sample_rows(p, Uniforms(len(row_sample), keys=keys), fallback=p).tolist()
 
 
 def _listed_result(path: list[list[int]], bonus: list[int], tokens: list[int], first: list[int], width: int,

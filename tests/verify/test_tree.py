@@ -492,13 +492,18 @@ def test_layout_from_parent_lists_equals_the_tensor_layout():
 
 @pytest.mark.parametrize("name", ["deterministic", "greedy"])
 @pytest.mark.parametrize("keyed", [True, False], ids=["position keys", "generator"])
-def test_the_direct_walk_is_the_generic_walk(name, keyed):
+@pytest.mark.parametrize("at_once", [64, 0], ids=["every row drawn at once", "depth by depth"])
+def test_the_direct_walk_is_the_generic_walk(name, keyed, at_once, monkeypatch):
     """``verify_tree`` walks greedy and deterministic trees in Python lists (``_walk_direct``); on
     random forests over a 5-token vocabulary (so that drawn tokens often match a child and walks go
     deep), with the engine's position keys or a seeded generator, every field of its result equals
-    the tensor walk's (``_walk``) on the same random numbers. A different draw, child order or path
-    bookkeeping fails here."""
+    the tensor walk's (``_walk``) on the same random numbers, whether the keyed walk draws every
+    row of the forest in one call first or the walking rows depth by depth. A different draw, a
+    row keyed at the wrong depth or sample, child order or path bookkeeping fails here."""
+    from multispec.verify import tree as tree_module
     from multispec.verify.tree import _walk, _walk_direct, layout_of_trees
+
+    monkeypatch.setattr(tree_module, "ALL_ROWS_AT_ONCE", at_once)
 
     rng = np.random.default_rng(1)
     scheme = SCHEMES[name]
