@@ -29,7 +29,7 @@ from multispec.verify import sampling
 from multispec.verify.batch import Selection, normalise
 from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S
 from multispec.verify.recursive import check_copied_after_drawn
-from multispec.verify.sampling import PositionKeys, Uniforms, derive
+from multispec.verify.sampling import PositionKeys, Uniforms, derive, keyed_uniforms
 from multispec.verify.schemes import SCHEMES, Scheme, resolve
 from multispec.verify.validation import check_distribution, check_integer
 
@@ -176,14 +176,12 @@ keys, a gather of its rows, the call): a few small trees (a step of one request 
 2-3 depths, so one call for all rows wins; a large batch's many rows never reached would not."""
 
 
-def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> list[int]:
-    """The token each row of p draws, keyed as the walk keys it: sample b's root row at its start,
-    the row after one of its nodes at depth d at start + d (``PositionKeys.at`` of that depth).
-    Every row's own draw, in one ``sample_rows`` call: the rows the walk reaches take exactly the
-    tokens a draw per depth gives them (each row is drawn alone, from its own uniform)."""
+def _row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> np.ndarray:
+    """Each row's key as the walks key it (``PositionKeys.at``): sample b's root row at its start,
+    the row after one of its nodes at depth d at start + d. [rows] uint64."""
     node_row = layout.node_row.tolist()
-    row_sample = [0] * p.shape[0]
-    row_depth = [0] * p.shape[0]
+    row_sample = [0] * rows
+    row_depth = [0] * rows
     frontier = layout.root_row.tolist()
     for b, row in enumerate(frontier):
         row_sample[row] = b
@@ -197,8 +195,15 @@ def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, chil
                     grown.append(below)
         frontier = grown
     samples = np.asarray(row_sample, dtype=np.int64)
-    keys = derive(rng.sample_keys[samples], rng.start[samples] + np.asarray(row_depth, dtype=np.int64))
-    return sampling.sample_rows(p, Uniforms(len(row_sample), keys=keys), fallback=p).tolist()
+    return derive(rng.sample_keys[samples], rng.start[samples] + np.asarray(row_depth, dtype=np.int64))
+
+
+def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> list[int]:
+    """The token each row of p draws, keyed as the walk keys it (``_row_keys``). Every row's own
+    draw, in one ``sample_rows`` call: the rows the walk reaches take exactly the tokens a draw per
+    depth gives them (each row is drawn alone, from its own uniform)."""
+    keys = _row_keys(p.shape[0], layout, rng, children)
+    return sampling.sample_rows(p, Uniforms(p.shape[0], keys=keys), fallback=p).tolist()
 
 
 def _listed_result(path: list[list[int]], bonus: list[int], tokens: list[int], first: list[int], width: int,
@@ -226,7 +231,14 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     accepted with probability min(1, p(x) / q(x)), else the sample's next token is drawn from
     norm((p - q)+); a sample at a leaf draws from p. The same tensors and the same keyed random
     numbers as ``_walk`` with ``recursive_rejection``, so the same result (a test checks it field
-    for field), with a dozen tensor operations a depth instead of some seventy.
+    for field), with a few tensor operations a step instead of some seventy a depth.
+
+    Every row's numbers are keyed by its sample and depth alone, so the work is not done depth by
+    depth: the accept test of every drawn child in one set of tensor operations, and (for forests
+    of up to ``ALL_ROWS_AT_ONCE`` nodes) every row's draw from p in one call. Then each sample
+    walks its accepted children in lists to the row where it stops; the residual draws of the rows
+    where a drawn child was rejected are made together, one call a round (a round more only where
+    such a draw lands on a copied child and the walk goes on).
 
     With ``q_index`` (the drawn hybrid's trees: each node's q row, -1 for copied text) a node may
     also have copied children after its drawn one: the token drawn where the drawn child was
@@ -235,65 +247,77 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     None where some node has more than one drawn child (``_walk`` verifies those trees)."""
     tokens, node_row = node_tokens.tolist(), layout.node_row.tolist()
     first = layout.first_node.tolist()
+    children = layout.children.tolist()
     if q_index is None:
-        drawn_kid = layout.children[:, 0].tolist()
+        drawn_kid = [kids[0] for kids in children]
         copied_kids: list[list[int]] = [[] for _ in drawn_kid]
         q_row = list(range(len(tokens)))
     else:
         q_row = q_index.tolist()
         drawn_kid, copied_kids = [], []
-        for kids in layout.children.tolist():
+        for kids in children:
             drawn = [c for c in kids if c >= 0 and q_row[c] >= 0]
             if len(drawn) > 1:
                 return None
             drawn_kid.append(drawn[0] if drawn else -1)
             copied_kids.append([c for c in kids if c >= 0 and q_row[c] < 0])
+    device = p.device
+    keys = _row_keys(p.shape[0], layout, rng, children)
+    # The accept test of every drawn child: u * q(x) < p(x) at its parent's row.
+    accepted = [False] * p.shape[0]
+    tested = [row for row, kid in enumerate(drawn_kid) if kid >= 0]
+    if tested:
+        kids = [drawn_kid[row] for row in tested]
+        row_t = torch.tensor(tested, device=device)
+        token_t = torch.tensor([tokens[kid] for kid in kids], device=device)
+        u = keyed_uniforms(derive(keys[tested], sampling.TEST, 0), p.dtype).to(device)
+        for row, ok in zip(tested, (u * q[torch.tensor([q_row[kid] for kid in kids], device=device), token_t]
+                                    < p[row_t, token_t]).tolist()):
+            accepted[row] = ok
+    from_p = None
+    if len(tokens) <= ALL_ROWS_AT_ONCE:
+        from_p = sampling.sample_rows(p, Uniforms(p.shape[0], keys=keys), fallback=p).tolist()
     current = layout.root_row.tolist()
-    batch, device = len(current), p.device
+    batch = len(current)
     path: list[list[int]] = [[] for _ in range(batch)]
     bonus = [-1] * batch
-    walking, depth = list(range(batch)), 0
+    walking = list(range(batch))
     while walking:
-        rows = [current[b] for b in walking]
-        uniforms = rng.at(torch.tensor(walking), depth)
+        leaves, rejected = [], []  # (sample, row) where it draws from p, or from the residual
+        for b in walking:
+            row = current[b]
+            while drawn_kid[row] >= 0 and accepted[row]:
+                path[b].append(drawn_kid[row])
+                row = node_row[drawn_kid[row]]
+            current[b] = row
+            (leaves if drawn_kid[row] < 0 else rejected).append((b, row))
+        drawn_at: list[tuple[int, int, int]] = []  # (sample, row, token drawn there)
+        if leaves:
+            rows = [row for _, row in leaves]
+            if from_p is not None:
+                drawn = [from_p[row] for row in rows]
+            else:
+                p_rows = p[torch.tensor(rows, device=device)]
+                drawn = sampling.sample_rows(p_rows, Uniforms(len(rows), keys=keys[rows]), fallback=p_rows).tolist()
+            drawn_at += [(b, row, y) for (b, row), y in zip(leaves, drawn)]
+        if rejected:
+            rows = [row for _, row in rejected]
+            row_t = torch.tensor(rows, device=device)
+            p_rej = p[row_t]
+            q_rej = q[torch.tensor([q_row[drawn_kid[row]] for row in rows], device=device)]
+            residual = normalise((p_rej - q_rej).clamp_min(0), p_rej)
+            drawn = sampling.sample_rows(residual, Uniforms(len(rows), keys=keys[rows]), fallback=residual).tolist()
+            drawn_at += [(b, row, y) for (b, row), y in zip(rejected, drawn)]
         still = []
-        drawn_at: list[tuple[int, int]] = []  # (j, token drawn) of samples whose next token was drawn
-        from_p = [j for j, row in enumerate(rows) if drawn_kid[row] < 0]
-        if from_p:  # a leaf, or only copied children: a draw from p
-            p_rows = p[torch.tensor([rows[j] for j in from_p], device=device)]
-            drawn_at += zip(from_p, sampling.sample_rows(p_rows, uniforms.rows(torch.tensor(from_p)),
-                                                         fallback=p_rows).tolist())
-        inner = [j for j, row in enumerate(rows) if drawn_kid[row] >= 0]
-        if inner:
-            kids = [drawn_kid[rows[j]] for j in inner]
-            row_t = torch.tensor([rows[j] for j in inner], device=device)
-            q_t = torch.tensor([q_row[kid] for kid in kids], device=device)
-            token_t = torch.tensor([tokens[kid] for kid in kids], device=device)
-            tested = uniforms.rows(torch.tensor(inner))
-            accepted = (tested.draw(sampling.TEST, 0, p) * q[q_t, token_t] < p[row_t, token_t]).tolist()
-            rejected = [i for i, a in enumerate(accepted) if not a]
-            for i, a in enumerate(accepted):
-                if a:
-                    b, kid = walking[inner[i]], kids[i]
-                    path[b].append(kid)
-                    current[b] = node_row[kid]
-                    still.append(b)
-            if rejected:
-                which = torch.tensor(rejected, device=device)
-                p_rej, q_rej = p[row_t[which]], q[q_t[which]]
-                residual = normalise((p_rej - q_rej).clamp_min(0), p_rej)
-                drawn_at += zip([inner[i] for i in rejected],
-                                sampling.sample_rows(residual, tested.rows(which), fallback=residual).tolist())
-        for j, y in drawn_at:
-            b = walking[j]
-            kid = next((c for c in copied_kids[rows[j]] if tokens[c] == y), -1)
+        for b, row, y in drawn_at:
+            kid = next((c for c in copied_kids[row] if tokens[c] == y), -1)
             if kid < 0:
                 bonus[b] = y
             else:
                 path[b].append(kid)
                 current[b] = node_row[kid]
                 still.append(b)
-        walking, depth = sorted(still), depth + 1
+        walking = sorted(still)
     return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
 
 

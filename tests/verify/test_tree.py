@@ -346,14 +346,17 @@ def test_packed_q_takes_rows_split_from_one_tensor_without_a_copy():
 
 
 @pytest.mark.parametrize("name", ["without_replacement", "specinfer"])
-def test_the_chain_walk_is_the_generic_walk(name):
+@pytest.mark.parametrize("at_once", [64, 0], ids=["every row drawn at once", "rows drawn as reached"])
+def test_the_chain_walk_is_the_generic_walk(name, at_once, monkeypatch):
     """Chains of drawn nodes (the draft head's candidates one wide) are walked in Python lists
     (``_walk_chains``) when the draws are keyed, as the engine's are; on random chain forests over a
     6-token vocabulary, with q near p so that walks go deep and residuals are drawn, every field
     of its result equals the tensor walk's with recursive rejection (``_walk``) on the same keys. A
     wrong acceptance test, residual or draw fails here; ``verify_tree`` takes the list walk."""
+    from multispec.verify import tree as tree_module
     from multispec.verify.tree import _walk, _walk_chains, layout_of_trees
 
+    monkeypatch.setattr(tree_module, "ALL_ROWS_AT_ONCE", at_once)
     rng = np.random.default_rng(4)
     scheme = SCHEMES[name]
     depths, residuals = 0, 0
@@ -432,15 +435,18 @@ def _mixed_forest(rng, samples: int, wide: bool = False):
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_the_mixed_chain_walk_is_the_generic_walk(wide):
+@pytest.mark.parametrize("at_once", [64, 0], ids=["every row drawn at once", "rows drawn as reached"])
+def test_the_mixed_chain_walk_is_the_generic_walk(wide, at_once, monkeypatch):
     """The drawn hybrid's trees (one drawn child a node, copied sibling text after it) are walked
     in Python lists too (``_walk_chains`` with ``q_index``): on random mixed forests every field of
     its result equals the tensor walk's with recursive rejection and the copied candidates after
     the drawn ones (``_walk``) on the same keys; drawn children accepted, residual draws that land
     on a copied child and plain draws from p among copied children are all exercised. Where a node
     has two drawn children the list walk declines (None) and ``verify_tree`` takes the tensor walk."""
+    from multispec.verify import tree as tree_module
     from multispec.verify.tree import _walk, _walk_chains, layout_of_trees
 
+    monkeypatch.setattr(tree_module, "ALL_ROWS_AT_ONCE", at_once)
     rng = np.random.default_rng(7)
     scheme = SCHEMES["without_replacement"]
     seen = {"drawn": 0, "copied": 0, "declined": 0}
