@@ -12,6 +12,7 @@ per second, and the per-round ratios. Outputs may part where top-k ties are rank
 
     python experiments/verify_paths.py --drafter consensus --n 4 --questions 3 --rounds 5
     python experiments/verify_paths.py --drafter hybrid --n 4
+    python experiments/verify_paths.py --n 16 --questions 8 --batched --rounds 3
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batched", action="store_true", help="all questions in one call instead of one at a time")
     args = parser.parse_args()
 
     from multispec import LLM, SamplingParams, SpecConfig
@@ -49,8 +51,8 @@ def main() -> None:
 
     def run(seed: int) -> dict:
         verify = step = tokens = wall = forwards = 0.0
-        for conversation in conversations:  # one request in flight at a time
-            llm.chat([conversation], SamplingParams(n=args.n, temperature=0.7, max_tokens=args.max_tokens, seed=seed),
+        for conversation in [conversations] if args.batched else [[c] for c in conversations]:
+            llm.chat(conversation, SamplingParams(n=args.n, temperature=0.7, max_tokens=args.max_tokens, seed=seed),
                      spec, use_tqdm=False)
             s = llm.last_stats
             verify += s.time_verify
@@ -58,7 +60,8 @@ def main() -> None:
             forwards += s.decode_forwards
             tokens += s.generated_tokens
             wall += s.time_total
-        return {"verify_ms": 1e3 * verify / forwards, "step_ms": 1e3 * step / forwards, "tok_s": tokens / wall}
+        return {"verify_ms": 1e3 * verify / forwards, "step_ms": 1e3 * step / forwards, "tok_s": tokens / wall,
+                "tau": tokens / forwards / (args.n * len(conversations)) if args.batched else tokens / forwards / args.n}
 
     variant("now")
     llm.chat(conversations[:1], SamplingParams(n=args.n, temperature=0.7, max_tokens=16, seed=0), spec, use_tqdm=False)
@@ -70,8 +73,9 @@ def main() -> None:
             print(f"round {r} {name:5s} " + " ".join(f"{k} {v:.3f}" for k, v in results[name][-1].items()),
                   file=sys.stderr)
     variant("now")
-    print(f"{args.drafter}, one request of {args.n} at a time, {args.questions} questions, {args.rounds} rounds")
-    for key in ("verify_ms", "step_ms", "tok_s"):
+    shape = "all in one call" if args.batched else "one request at a time"
+    print(f"{args.drafter}, {args.questions} questions x {args.n} samples, {shape}, {args.rounds} rounds")
+    for key in ("verify_ms", "step_ms", "tok_s", "tau"):
         now = [m[key] for m in results["now"]]
         old = [m[key] for m in results["torch"]]
         ratios = [a / b for a, b in zip(now, old)]

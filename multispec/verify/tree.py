@@ -168,12 +168,13 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
 
 
-ALL_ROWS_AT_ONCE = 64
-"""Trees of up to this many nodes in all have every row of p drawn in one call before the
-deterministic walk (``_draw_every_row``) instead of the walking rows depth by depth. A row's draw
-costs some 5-10 us on a CPU (one pass over 49k probabilities), a depth's call about 150 us (its
-keys, a gather of its rows, the call): a few small trees (a step of one request of 4 samples) walk
-2-3 depths, so one call for all rows wins; a large batch's many rows never reached would not."""
+ALL_ROWS_AT_ONCE = 24
+"""Forests of up to this many nodes in all have every row of p drawn in one call before the walk
+(``_row_keys``) instead of the rows the walk reaches depth by depth. A depth's call costs about
+150 us here (its keys, a gather of its rows, the call), a row's draw 5-10 us (one pass over 49k
+probabilities): a step of one request of 4 samples walks 2-3 depths over a dozen nodes, so one
+call wins. The bound keeps the rows drawn and never reached (at most this many) within one call's
+cost where a large batch walks few depths."""
 
 
 def _row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> np.ndarray:
