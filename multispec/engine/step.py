@@ -18,8 +18,8 @@ from multispec.engine.cache import KVCache
 from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
-from multispec.verify.sampling import TOKEN, sample_rows
-from multispec.verify.tree import layout_of_trees
+from multispec.verify.sampling import TOKEN, derive, keyed_uniforms, sample_rows
+from multispec.verify.tree import layout_of_trees, row_keys, walk_drawn
 
 
 @dataclass
@@ -115,6 +115,10 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         drawn = _draw_plain(step, logits, requests)
         if drawn is not None:
             return drawn
+    if not truncated and all(r.scheme == "deterministic" for r in requests):
+        drawn = _draw_copied(step, logits, requests, counts, alternatives)
+        if drawn is not None:
+            return drawn
     probs, step.logsumexp, greedy_tokens = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
     groups: dict[str, list[int]] = {}
@@ -191,10 +195,52 @@ def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> li
     temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=logits.device)
     keys = position_keys(step.samples).at(torch.arange(len(requests)), 0)
     u = keys.draw(TOKEN, 0, logits.new_empty(0, dtype=torch.float64))
-    index, step.logsumexp, _, prob, _ = op(logits.contiguous(), temperature, u)
+    index, step.logsumexp, _, prob, *_ = op(logits.contiguous(), temperature, u)
     # A row whose probabilities sum to zero draws index 0, as sample_rows with the row as its own
     # fallback does.
     return [Verified([], token, [p], None) for token, p in zip(index.tolist(), prob.tolist())]
+
+
+def _draw_copied(step: Step, logits: torch.Tensor, requests: list[Request], counts: list[int],
+                 alternatives: tuple[int, float]) -> list[Verified] | None:
+    """A step whose samples all verify copied drafts (the deterministic scheme, no top-k or
+    top-p): the walk draws from p at every row it reaches and reads nothing else of p but the
+    drawn token's probability and, for the drafter, the likeliest tokens at the rows it appends
+    at. Each row's draw is keyed by its sample and depth alone, so every row is drawn inside the
+    compiled softmax's own pass (``softmax_draw``, with each row's ranking on the same buffer),
+    then the walk follows the drawn tokens in lists (``walk_drawn``): the same tokens, log-
+    normalisers, probabilities and alternatives as the general path (``softmax_rows``, the walk's
+    ``sample_rows`` calls and ``most_likely``), bit for bit, without the [rows, vocabulary]
+    probabilities written and read back or a call a depth. None where the kernel does not run here."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from multispec import kernels
+
+    op = kernels.softmax_draw()
+    if op is None:
+        return None
+    samples, trees = step.samples, step.trees
+    layout = layout_of_trees([tree.parents for tree in trees])
+    children = layout.children.tolist()
+    u = keyed_uniforms(derive(row_keys(logits.shape[0], layout, position_keys(samples), children), TOKEN, 0))
+    k = min(alternatives[0], logits.shape[-1]) if alternatives[0] > 0 else 0
+    index, step.logsumexp, _, prob, _, top_values, top_tokens = op(
+        logits.contiguous(), sampling_rows(requests, logits.device, counts)[0], u, k)
+    drawn, prob = index.tolist(), prob.tolist()
+    tokens = [t for tree in trees for t in tree.tokens]
+    paths, bonus, visited = walk_drawn(tokens, layout, children, drawn)
+    first = layout.first_node.tolist()
+    if k:
+        top_values, top_tokens = top_values.tolist(), top_tokens.tolist()
+    results = []
+    for b, rows in enumerate(visited):
+        token_probs = [prob[row] for row in rows]
+        top = None
+        if k:
+            top = [(top_tokens[row], top_values[row]) if 1.0 - p >= alternatives[1] else None
+                   for row, p in zip(rows, token_probs)]
+        results.append(Verified([c - first[b] for c in paths[b]], bonus[b], token_probs, top))
+    return results
 
 
 def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

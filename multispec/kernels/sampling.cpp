@@ -211,59 +211,6 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& weights, const 
   return {index, empty};
 }
 
-// softmax_rows and then sample_rows with one uniform per row, in one pass, for a step whose
-// probabilities nobody reads but the drawn token's: each row's probabilities go to a buffer of the
-// task's own, still in cache when the draw reads them, instead of a [rows, vocabulary] matrix
-// written and read back. The same code as the two operators (softmax_row, cumulate, draw_index),
-// so the same index, log-normaliser, one-hot index and probability of the drawn token, bit for bit.
-// Returns (index, lse, top, prob, empty).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_draw(const at::Tensor& logits,
-                                                                                   const at::Tensor& temperature,
-                                                                                   const at::Tensor& u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
-              "logits must be a contiguous CPU [rows, vocabulary]");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.dim() == 1 && temperature.size(0) == rows &&
-                  temperature.is_contiguous(),
-              "temperature must be a contiguous float32 vector with one entry per row");
-  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.size(0) == rows && u.is_contiguous(),
-              "u must be a contiguous float64 vector with one entry per row");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
-              "softmax_draw takes float32 or bfloat16 logits");
-  const auto options = logits.options();
-  auto index = at::empty({rows}, options.dtype(at::kLong));
-  auto lse = at::empty({rows}, options.dtype(at::kFloat));
-  auto top = at::empty({rows}, options.dtype(at::kLong));
-  auto prob = at::empty({rows}, options.dtype(at::kFloat));
-  auto empty = at::empty({rows}, options.dtype(at::kBool));
-  const float* tp = temperature.data_ptr<float>();
-  const double* up = u.data_ptr<double>();
-  int64_t* ip = index.data_ptr<int64_t>();
-  float* lp = lse.data_ptr<float>();
-  int64_t* op = top.data_ptr<int64_t>();
-  float* pp = prob.data_ptr<float>();
-  bool* ep = empty.data_ptr<bool>();
-  auto run = [&](auto element) {
-    using scalar_t = decltype(element);
-    const scalar_t* in = logits.data_ptr<scalar_t>();
-    multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
-      std::vector<float> x(vocab), p(vocab);
-      std::vector<double> cumulative((vocab + BLOCK - 1) / BLOCK);
-      for (int64_t r; (r = shares.next(part)) >= 0;) {
-        softmax_row(in + r * vocab, vocab, tp[r], x.data(), p.data(), lp[r], op[r]);
-        cumulate(p.data(), vocab, cumulative.data());
-        ip[r] = draw_index(p.data(), vocab, cumulative.data(), up[r], ep[r]);
-        pp[r] = p[ip[r]];
-      }
-    });
-  };
-  if (logits.scalar_type() == at::kFloat)
-    run(float{});
-  else
-    run(c10::BFloat16{});
-  return {index, lse, top, prob, empty};
-}
-
 // The k largest entries of some rows of a float32 [R, V] matrix (the target's probabilities), in
 // descending order, ties to the lower index: the alternatives a drafter reads at the tokens a step
 // appended. torch's top-k costs about 40 us a row of 49k here (the vocabulary ranked through a heap
@@ -297,6 +244,67 @@ void top_row(const float* w, int64_t vocab, int64_t k, float* values, int64_t* t
   }
 }
 
+// softmax_rows and then sample_rows with one uniform per row, in one pass, for a step whose
+// probabilities nobody reads but the drawn token's: each row's probabilities go to a buffer of the
+// task's own, still in cache when the draw reads them, instead of a [rows, vocabulary] matrix
+// written and read back. The same code as the two operators (softmax_row, cumulate, draw_index),
+// so the same index, log-normaliser, one-hot index and probability of the drawn token, bit for bit.
+// With k > 0 each row's k likeliest tokens too, ranked by top_row on the same buffer (what top_rows
+// gives for the row of softmax_rows' matrix): a verification whose draws are all from p (copied
+// drafts) reads nothing else of the matrix. Returns (index, lse, top, prob, empty, values [rows, k],
+// tokens [rows, k]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_draw(
+    const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous CPU [rows, vocabulary]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.dim() == 1 && temperature.size(0) == rows &&
+                  temperature.is_contiguous(),
+              "temperature must be a contiguous float32 vector with one entry per row");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.dim() == 1 && u.size(0) == rows && u.is_contiguous(),
+              "u must be a contiguous float64 vector with one entry per row");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "softmax_draw takes float32 or bfloat16 logits");
+  TORCH_CHECK(k >= 0 && k <= vocab, "k must be in [0, vocabulary], got ", k);
+  const auto options = logits.options();
+  auto index = at::empty({rows}, options.dtype(at::kLong));
+  auto lse = at::empty({rows}, options.dtype(at::kFloat));
+  auto top = at::empty({rows}, options.dtype(at::kLong));
+  auto prob = at::empty({rows}, options.dtype(at::kFloat));
+  auto empty = at::empty({rows}, options.dtype(at::kBool));
+  const float* tp = temperature.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  float* lp = lse.data_ptr<float>();
+  int64_t* op = top.data_ptr<int64_t>();
+  float* pp = prob.data_ptr<float>();
+  bool* ep = empty.data_ptr<bool>();
+  auto values = at::empty({rows, k}, options.dtype(at::kFloat));
+  auto tokens = at::empty({rows, k}, options.dtype(at::kLong));
+  float* vp = values.data_ptr<float>();
+  int64_t* kp = tokens.data_ptr<int64_t>();
+  auto run = [&](auto element) {
+    using scalar_t = decltype(element);
+    const scalar_t* in = logits.data_ptr<scalar_t>();
+    multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
+      std::vector<float> x(vocab), p(vocab);
+      std::vector<double> cumulative((vocab + BLOCK - 1) / BLOCK);
+      for (int64_t r; (r = shares.next(part)) >= 0;) {
+        softmax_row(in + r * vocab, vocab, tp[r], x.data(), p.data(), lp[r], op[r]);
+        cumulate(p.data(), vocab, cumulative.data());
+        ip[r] = draw_index(p.data(), vocab, cumulative.data(), up[r], ep[r]);
+        pp[r] = p[ip[r]];
+        if (k > 0) top_row(p.data(), vocab, k, vp + r * k, kp + r * k);
+      }
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(c10::BFloat16{});
+  return {index, lse, top, prob, empty, values, tokens};
+}
+
 std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& probs, const at::Tensor& rows, int64_t k) {
   TORCH_CHECK(probs.device().is_cpu() && probs.dim() == 2 && probs.is_contiguous() &&
                   probs.scalar_type() == at::kFloat,
@@ -324,8 +332,8 @@ std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& probs, const at::T
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("softmax_rows(Tensor logits, Tensor temperature) -> (Tensor probs, Tensor lse, Tensor top)");
   m.def("sample_rows(Tensor weights, Tensor u) -> (Tensor index, Tensor empty)");
-  m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u) -> (Tensor index, Tensor lse, Tensor top, "
-        "Tensor prob, Tensor empty)");
+  m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u, int k=0) -> (Tensor index, Tensor lse, "
+        "Tensor top, Tensor prob, Tensor empty, Tensor values, Tensor tokens)");
   m.def("top_rows(Tensor probs, Tensor rows, int k) -> (Tensor values, Tensor tokens)");
 }
 

@@ -141,20 +141,19 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     tops = argmax.tolist() if argmax is not None else None
     if tops is None and not greedy and isinstance(rng, PositionKeys) and len(tokens) <= ALL_ROWS_AT_ONCE:
         tops = _draw_every_row(p, layout, rng, children)
+    if tops is not None:  # greedy with the rows' argmax given, or every row drawn already
+        path, bonus, _ = walk_drawn(tokens, layout, children, tops)
+        return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
     while walking:
         rows = [current[b] for b in walking]
-        if tops is not None:  # greedy with the rows' argmax given, or every row drawn already
-            drawn = [tops[r] for r in rows]
+        every = depth == 0 and len(rows) == p.shape[0]
+        p_rows = p if every else p[torch.tensor(rows, device=device)]
+        if greedy:
+            drawn = p_rows.argmax(-1).tolist()
         else:
-            every = depth == 0 and len(rows) == p.shape[0]
-            p_rows = p if every else p[torch.tensor(rows, device=device)]
-            if greedy:
-                drawn = p_rows.argmax(-1).tolist()
-            else:
-                who = torch.tensor(walking)
-                uniforms = rng.at(who, depth) if isinstance(rng, PositionKeys) else Uniforms(len(walking),
-                                                                                             generator=rng)
-                drawn = sampling.sample_rows(p_rows, uniforms, fallback=p_rows).tolist()
+            who = torch.tensor(walking)
+            uniforms = rng.at(who, depth) if isinstance(rng, PositionKeys) else Uniforms(len(walking), generator=rng)
+            drawn = sampling.sample_rows(p_rows, uniforms, fallback=p_rows).tolist()
         still = []
         for b, row, y in zip(walking, rows, drawn):
             child = next((c for c in children[row] if c >= 0 and tokens[c] == y), -1)
@@ -170,14 +169,38 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
 
 ALL_ROWS_AT_ONCE = 24
 """Forests of up to this many nodes in all have every row of p drawn in one call before the walk
-(``_row_keys``) instead of the rows the walk reaches depth by depth. A depth's call costs about
+(``row_keys``) instead of the rows the walk reaches depth by depth. A depth's call costs about
 150 us here (its keys, a gather of its rows, the call), a row's draw 5-10 us (one pass over 49k
 probabilities): a step of one request of 4 samples walks 2-3 depths over a dozen nodes, so one
 call wins. The bound keeps the rows drawn and never reached (at most this many) within one call's
 cost where a large batch walks few depths."""
 
 
-def _row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> np.ndarray:
+def walk_drawn(tokens: list[int], layout: TreeLayout, children: list[list[int]],
+               drawn: list[int]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """The deterministic walk where every row's token is drawn already (``drawn[row]``): each
+    sample descends into the first child holding its row's token and stops with the token as its
+    bonus where none does. Returns each sample's accepted nodes (global ids), its bonus token and
+    the rows it visited (its root's, then each accepted node's)."""
+    node_row = layout.node_row.tolist()
+    paths, bonus, visited = [], [], []
+    for row in layout.root_row.tolist():
+        path, rows = [], [row]
+        while True:
+            y = drawn[row]
+            child = next((c for c in children[row] if c >= 0 and tokens[c] == y), -1)
+            if child < 0:
+                break
+            path.append(child)
+            row = node_row[child]
+            rows.append(row)
+        paths.append(path)
+        bonus.append(y)
+        visited.append(rows)
+    return paths, bonus, visited
+
+
+def row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> np.ndarray:
     """Each row's key as the walks key it (``PositionKeys.at``): sample b's root row at its start,
     the row after one of its nodes at depth d at start + d. [rows] uint64."""
     node_row = layout.node_row.tolist()
@@ -200,10 +223,10 @@ def _row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[l
 
 
 def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> list[int]:
-    """The token each row of p draws, keyed as the walk keys it (``_row_keys``). Every row's own
+    """The token each row of p draws, keyed as the walk keys it (``row_keys``). Every row's own
     draw, in one ``sample_rows`` call: the rows the walk reaches take exactly the tokens a draw per
     depth gives them (each row is drawn alone, from its own uniform)."""
-    keys = _row_keys(p.shape[0], layout, rng, children)
+    keys = row_keys(p.shape[0], layout, rng, children)
     return sampling.sample_rows(p, Uniforms(p.shape[0], keys=keys), fallback=p).tolist()
 
 
@@ -263,7 +286,7 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
             drawn_kid.append(drawn[0] if drawn else -1)
             copied_kids.append([c for c in kids if c >= 0 and q_row[c] < 0])
     device = p.device
-    keys = _row_keys(p.shape[0], layout, rng, children)
+    keys = row_keys(p.shape[0], layout, rng, children)
     # The accept test of every drawn child: u * q(x) < p(x) at its parent's row.
     accepted = [False] * p.shape[0]
     tested = [row for row, kid in enumerate(drawn_kid) if kid >= 0]

@@ -159,3 +159,39 @@ def test_most_likely_gives_each_row_its_alternatives_on_either_path(monkeypatch)
     assert compiled == reference and compiled[1] is None and compiled[2] == compiled[3]
     values, tokens = probs[3].topk(4)
     assert reference[2] == (tokens.tolist(), values.tolist())
+
+
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+def test_copied_drafts_are_verified_in_the_softmax_pass_with_the_same_tokens(llm, monkeypatch):
+    """Steps whose samples all verify copied drafts (consensus, the deterministic scheme) draw
+    every row inside the compiled softmax and walk the drawn tokens (``_draw_copied``) instead of
+    writing the probabilities for the walk's draws. On every such step of seeded requests the
+    general path must give the same result, field for field: accepted nodes, bonus token, each
+    appended token's probability and the alternatives the drafter reads (tokens and values), and
+    the same log-normalisers; the fused path must be the one drafted steps take."""
+    from multispec import SpecConfig
+    from multispec.engine import step
+
+    prompt = llm.tokenizer.encode("Natalia sold clips to 48 of her friends in April, and then")
+    params = [SamplingParams(n=4, temperature=t, max_tokens=40, seed=5, logprobs=1) for t in (0.7, 1.0)]
+    spec = SpecConfig(drafter="consensus", max_draft_tokens=3, adaptive=False)
+    fused = step._draw_copied
+    checked = {"nodes": 0, "accepted": 0, "alternatives": 0}
+
+    def compared(step_, logits, requests, counts, alternatives):
+        got = fused(step_, logits, requests, counts, alternatives)
+        lse = step_.logsumexp
+        monkeypatch.setattr(step, "_draw_copied", lambda *args: None)
+        try:
+            want = step.verify(step_, logits, alternatives)
+        finally:
+            monkeypatch.setattr(step, "_draw_copied", compared)
+        assert got == want and torch.equal(lse, step_.logsumexp)
+        checked["nodes"] += sum(len(tree.tokens) for tree in step_.trees)
+        checked["accepted"] += sum(len(v.path) for v in got)
+        checked["alternatives"] += sum(a is not None for v in got for a in v.alternatives or [])
+        return got
+
+    monkeypatch.setattr(step, "_draw_copied", compared)
+    llm.generate([prompt] * 2, params, spec)
+    assert checked["nodes"] > 20 and checked["accepted"] > 5 and checked["alternatives"] > 20, checked

@@ -122,7 +122,7 @@ def test_the_fused_softmax_and_draw_is_the_two_operators_bit_for_bit(dtype):
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.2]).repeat(rows // 5)
     u = torch.rand(rows, generator=gen, dtype=torch.float64)
     u[:3] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5], dtype=torch.float64)
-    index, lse, top, prob, _ = torch.ops.multispec.softmax_draw(logits, temperature, u)
+    index, lse, top, prob, *_ = torch.ops.multispec.softmax_draw(logits, temperature, u)
     probs, want_lse, want_top = torch.ops.multispec.softmax_rows(logits, temperature)
     want_index, _ = torch.ops.multispec.sample_rows(probs, u)
     assert torch.equal(index, want_index) and torch.equal(lse, want_lse) and torch.equal(top, want_top)
