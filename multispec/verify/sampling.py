@@ -14,9 +14,10 @@ sources answer:
 - streamed (tests, analysis): uniforms come from a ``torch.Generator`` in call order.
 
 Every draw from a (residual) distribution goes through :func:`sample_rows`; it is the single place
-where the tests plant a bias to show that their statistical checks have power. (A step without
-drafts whose probabilities nobody else reads draws in the compiled softmax's own pass instead,
-``softmax_draw``: the same code as ``softmax_rows`` then this, bit for bit.)
+where the tests plant a bias to show that their statistical checks have power. (On a CPU a step
+without drafts whose probabilities nobody else reads, and a step whose samples all verify copied
+drafts, draw in the compiled softmax's own pass instead, ``softmax_draw``: the same code as
+``softmax_rows`` then this, bit for bit; the engine tests check both against this path.)
 """
 
 from __future__ import annotations
