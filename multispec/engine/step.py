@@ -222,7 +222,8 @@ def _draw_copied(step: Step, logits: torch.Tensor, requests: list[Request], coun
     samples, trees = step.samples, step.trees
     layout = layout_of_trees([tree.parents for tree in trees])
     children = layout.children.tolist()
-    u = keyed_uniforms(derive(row_keys(logits.shape[0], layout, position_keys(samples), children), TOKEN, 0))
+    keys = row_keys(logits.shape[0], layout, position_keys(samples), children)
+    u = keyed_uniforms(derive(keys, TOKEN, 0)).to(logits.device)
     k = min(alternatives[0], logits.shape[-1]) if alternatives[0] > 0 else 0
     index, step.logsumexp, _, prob, _, top_values, top_tokens = op(
         logits.contiguous(), sampling_rows(requests, logits.device, counts)[0], u, k)
