@@ -206,7 +206,8 @@ class DraftBudget:
         self.idle += 1
         return False
 
-    def select(self, trees: list[DraftTree], context: int, others: int = 0, drafting: float = 0.0) -> list[DraftTree]:
+    def select(self, trees: list[DraftTree], context: int, others: int = 0, drafting: float = 0.0,
+               proposing: float = 0.0) -> list[DraftTree]:
         """Keep, across the whole batch, the draft nodes that maximise expected tokens per second.
 
         ``context``: keys the step's attention reads per query row (longest prompt plus longest
@@ -215,7 +216,10 @@ class DraftBudget:
         model spent building these trees. Spent already, it does not change which nodes are
         kept; but a step whose kept nodes do not repay it on top of their forward counts as one
         that kept nothing, so a draft model that costs more than it gains is asked only now and
-        then (``IDLE_STEPS``), as drafts that do not pay are.
+        then (``IDLE_STEPS``), as drafts that do not pay are. ``proposing``: the rest of the
+        proposal's seconds (the drafter's own lookups and trees), counted the same way: with 128
+        samples in flight a consensus proposal costs several ms of a 76 ms step, and nodes that
+        repay only their rows kept the drafter asked on a third of the steps for tau 1.00-1.05.
 
         Trees that merge the model's nodes with free ones (the hybrid: the model's carry evidence
         0, sibling matches more) also say whether the model itself paid: the best rate with its
@@ -245,7 +249,7 @@ class DraftBudget:
         candidates.sort()
         plain = batch / self.costs.seconds(batch, batch, 1, context)
         keep, gained, step = self._best(candidates, own, batch, context, plain, pinned)
-        paid = keep > 0 and gained / (step + drafting) > plain
+        paid = keep > 0 and gained / (step + drafting + proposing) > plain
         if drafting > 0:
             free = [(True, *c[1:]) for c in candidates if c[5] > 0]  # closed under parents: a match's ancestors match
             free.sort()

@@ -454,7 +454,9 @@ class LLMEngine:
                 uniforms = position_keys(samples).draft_uniforms(max(budgets)).tolist()
             model_time = getattr(lane.drafter, "model_time", None)
             model_forwards = getattr(lane.drafter, "model_forwards", 0)
+            asked = time.perf_counter()
             proposed = self._propose(lane, samples, budgets, uniforms, changed)
+            proposing = time.perf_counter() - asked
             spent = 0.0
             if model_time is not None:
                 spent = lane.drafter.model_time - model_time
@@ -462,7 +464,7 @@ class LLMEngine:
                 self._model_seconds += spent
                 self.stats.draft_forwards += lane.drafter.model_forwards - model_forwards
                 lane.observe_drafting(spent, lane.drafter.model_forwards - model_forwards)
-            for b, tree in zip(members, lane.select(proposed, len(slots), context, spent)):
+            for b, tree in zip(members, lane.select(proposed, len(slots), context, spent, proposing - spent)):
                 trees[b] = tree
         return trees
 

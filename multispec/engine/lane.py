@@ -148,12 +148,14 @@ class Lane:
             return False
         return not (self.spec.adaptive and self.budget.max_depth and self.budget.idle >= IDLE_STEPS)
 
-    def select(self, trees: list[DraftTree], batch: int, context: int, drafting: float = 0.0) -> list[DraftTree]:
+    def select(self, trees: list[DraftTree], batch: int, context: int, drafting: float = 0.0,
+               proposing: float = 0.0) -> list[DraftTree]:
         """The nodes worth their place in the forward (copied drafts under the adaptive budget);
         sampled drafts must reach the verifier exactly as drawn. ``drafting``: seconds the
-        drafter's model spent on these trees (see ``DraftBudget.select``)."""
+        drafter's model spent on these trees, ``proposing``: the rest of the proposal's seconds
+        (see ``DraftBudget.select``)."""
         if self.spec.adaptive and not self.sampled and self.spec.speculates:
-            return self.budget.select(trees, context, batch - len(trees), drafting)
+            return self.budget.select(trees, context, batch - len(trees), drafting, proposing)
         return trees
 
     def record(self, trees: list[DraftTree], paths: list[list[int]]) -> None:
