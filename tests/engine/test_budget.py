@@ -253,6 +253,26 @@ def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_pro
     assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
 
 
+def test_a_proposal_that_costs_more_than_its_kept_nodes_gain_is_asked_only_to_probe():
+    """The drafter's own seconds count as a draft model's do: sibling nodes that repay their rows
+    are kept, but where they do not repay the proposal too (a consensus proposal for 128 samples
+    costs several ms of a step there) the step counts as one that kept nothing, so after
+    ``IDLE_STEPS`` such steps the drafter is asked only on probes; a cheap proposal keeps it asked
+    every step."""
+    prices = costs(fixed=0.05, per_token=0.001)
+    trees = [chain([0.9])] + [DraftTree.EMPTY] * 7  # sibling text: a context match, no model
+    cheap, dear = DraftBudget(4, prices), DraftBudget(4, prices)
+    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
+        assert cheap.wants_drafts()
+        assert len(cheap.select(trees, CONTEXT, proposing=0.0005)[0]) == 1
+    asked = 0
+    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
+        if dear.wants_drafts():
+            asked += 1
+            assert len(dear.select(trees, CONTEXT, proposing=0.05)[0]) == 1  # kept: already proposed
+    assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
+
+
 def test_a_hybrid_model_that_does_not_repay_itself_stops_while_the_free_drafts_go_on():
     """Trees that merge free sibling nodes (evidence > 0) with a draft model's (evidence 0): where
     the free nodes pay and the model's add less than its seconds, the drafter stays asked every step
