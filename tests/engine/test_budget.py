@@ -233,43 +233,27 @@ def test_an_idle_budget_stops_asking_for_the_targets_likeliest_tokens():
     assert not Lane(SpecConfig(drafter="ngram"), 400, lambda: PRICES).wants_alternatives()
 
 
-def test_a_draft_model_that_costs_more_than_its_drafts_gain_is_asked_only_to_probe():
-    """Sure nodes on an overhead-bound step are kept whatever the draft model spent on them (that
-    time is gone), but when their gain does not repay it the step counts as one that kept nothing,
-    so after ``IDLE_STEPS`` such steps the draft model runs only on probes. Cheap drafting (sibling
-    text: no model time) keeps the drafter asked every step."""
+@pytest.mark.parametrize("spent, evidence, cheap_seconds", [("drafting", 0, 0.0), ("proposing", 4, 0.0005)],
+                         ids=["a draft model's forwards", "the proposal's own seconds"])
+def test_drafting_that_costs_more_than_its_drafts_gain_is_asked_only_to_probe(spent, evidence, cheap_seconds):
+    """Sure nodes on an overhead-bound step are kept whatever was spent drafting them (that time
+    is gone), but when their gain does not repay it the step counts as one that kept nothing, so
+    after ``IDLE_STEPS`` such steps the drafter runs only on probes. Both what a draft model's
+    forwards cost (its nodes carry no context match) and what the proposal itself cost (sibling
+    text: a consensus proposal for 128 samples costs several ms of a step) count; cheap drafting
+    keeps the drafter asked every step."""
     prices = costs(fixed=0.05, per_token=0.001)
-    # About 0.9 tokens gained on a step of ~0.06 s; a draft model's nodes carry no context match.
-    trees = [chain([0.9], evidence=0)] + [DraftTree.EMPTY] * 7
+    # About 0.9 tokens gained on a step of ~0.06 s.
+    trees = [chain([0.9], evidence=evidence)] + [DraftTree.EMPTY] * 7
     cheap, dear = DraftBudget(4, prices), DraftBudget(4, prices)
     for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
         assert cheap.wants_drafts()
-        assert len(cheap.select(trees, CONTEXT, drafting=0.0)[0]) == 1
+        assert len(cheap.select(trees, CONTEXT, **{spent: cheap_seconds})[0]) == 1
     asked = 0
     for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
         if dear.wants_drafts():
             asked += 1
-            assert len(dear.select(trees, CONTEXT, drafting=0.05)[0]) == 1  # kept: already drafted
-    assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
-
-
-def test_a_proposal_that_costs_more_than_its_kept_nodes_gain_is_asked_only_to_probe():
-    """The drafter's own seconds count as a draft model's do: sibling nodes that repay their rows
-    are kept, but where they do not repay the proposal too (a consensus proposal for 128 samples
-    costs several ms of a step there) the step counts as one that kept nothing, so after
-    ``IDLE_STEPS`` such steps the drafter is asked only on probes; a cheap proposal keeps it asked
-    every step."""
-    prices = costs(fixed=0.05, per_token=0.001)
-    trees = [chain([0.9])] + [DraftTree.EMPTY] * 7  # sibling text: a context match, no model
-    cheap, dear = DraftBudget(4, prices), DraftBudget(4, prices)
-    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
-        assert cheap.wants_drafts()
-        assert len(cheap.select(trees, CONTEXT, proposing=0.0005)[0]) == 1
-    asked = 0
-    for _ in range(IDLE_STEPS + 2 * PROBE_EVERY):
-        if dear.wants_drafts():
-            asked += 1
-            assert len(dear.select(trees, CONTEXT, proposing=0.05)[0]) == 1  # kept: already proposed
+            assert len(dear.select(trees, CONTEXT, **{spent: 0.05})[0]) == 1  # kept: already drafted
     assert asked < IDLE_STEPS + 2 * PROBE_EVERY and dear.idle >= IDLE_STEPS
 
 
