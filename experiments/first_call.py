@@ -50,7 +50,7 @@ def main() -> None:
     print(json.dumps({"cell": args.cell, "speedup": round(plain / spec, 3), "spec_s": round(spec, 1),
                       "plain_s": round(plain, 1), "drafting_steps": len(drafting), "steps": len(steps),
                       "drafted": sum(s[0] - s[1] for s in drafting), "accepted": sum(s[3] for s in drafting),
-                      "live_correction": round(engine.prices().drafting_factor(), 3)}))
+                      "live_correction": {band: round(f, 3) for band, f in engine.prices().drafting_factors().items()}}))
 
 
 if __name__ == "__main__":

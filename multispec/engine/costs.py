@@ -203,12 +203,25 @@ def _monotone(points: list[tuple[int, float]], floor: float = 1e-6) -> list[tupl
 
 
 LIVE_WINDOW = 64
-"""Recent steps of each kind (plain, drafting) that ``Prices`` keeps."""
+"""Recent steps of each kind (plain; drafting, per band of batch sizes) that ``Prices`` keeps."""
 LIVE_MIN = 8
-"""Steps of each kind needed before the live correction applies."""
+"""Steps of each kind (drafting: in the band) needed before a band's live correction applies."""
 LIVE_BOUNDS = (0.75, 4.0)
 """The live correction of what drafting adds to a step stays within these factors of the measured
 increment."""
+LIVE_BANDS = (6, 12, 24, 48, 96)
+"""Upper batch sizes of the bands whose drafting steps are corrected apart (the last band is
+everything above). What drafting adds is off the measurement by a different factor at each batch
+size: on a 2-core Xeon (bfloat16, GSM8K, consensus drafts) drafting steps of 16 samples cost about
+0.8x their measured increment, of 64 samples about 1.0x, of 128 samples 1.5-1.8x. One correction
+for all of them sat near its lower bound (0.75-0.86, from the small steps) and priced drafts at 128
+samples at about half of what they cost: at 8 x 16 in one call the budget drafted a dozen steps of
+128 samples a call, each about 10% slower than the tokens it gained were worth."""
+
+
+def live_band(batch: int, bands: tuple[int, ...] = LIVE_BANDS) -> int:
+    """The band of ``bands`` (upper batch sizes) a step of ``batch`` samples belongs to."""
+    return bisect_right(bands, batch - 1)
 
 
 class Prices:
@@ -217,13 +230,14 @@ class Prices:
 
     The calibration drafts uniform chains of one filler token that is always rejected. Real
     drafts are trees of uneven depth whose accepted paths are walked and committed, with a
-    drafter's proposals and the target's likeliest tokens computed for it, and on this 2-core CPU
-    such steps cost more than the calibration priced them. So the engine records every step: plain
-    steps give the machine's present speed against the measurement (the median of observed over
-    priced), and each drafting step, at that speed, what it cost beyond the plain step of its
-    samples, against what the measurement says its drafts add. The median of those increments'
-    ratios scales the increment of every drafting step the budget prices; the plain part stays as
-    measured.
+    drafter's proposals and the target's likeliest tokens computed for it, and such steps cost
+    more or less than the calibration priced them, by a factor that depends on the batch size. So
+    the engine records every step: plain steps give the machine's present speed against the
+    measurement (the median of observed over priced), and each drafting step, at that speed, what
+    it cost beyond the plain step of its samples, against what the measurement says its drafts
+    add. Per band of batch sizes (``LIVE_BANDS``), the median of those increments' ratios scales
+    the increment of every drafting step of that band the budget prices; the plain part stays as
+    measured, and so does the increment of a band that has not drafted ``LIVE_MIN`` steps.
 
     Only the increment is corrected, because the decision is about the increment: scaling a whole
     drafting step instead let a few percent of noise between the two medians (a plain step of 16
@@ -232,42 +246,59 @@ class Prices:
     no fit, a uniform slowdown of the machine leaves it alone, and it stays where it is while the
     budget drafts nothing."""
 
-    def __init__(self, costs: StepCosts):
+    def __init__(self, costs: StepCosts, bands: tuple[int, ...] = LIVE_BANDS):
+        """``bands``: upper batch sizes of the bands corrected apart (``()``: one for all)."""
         self.costs = costs
+        self.bands = bands
         self.plain: deque[float] = deque(maxlen=LIVE_WINDOW)
         """Observed over priced, per plain step."""
-        self.drafting: deque[tuple[float, float, float]] = deque(maxlen=LIVE_WINDOW)
-        """(observed seconds, price of the same samples without drafts, priced increment), per drafting step."""
-        self._factor = 1.0  # updated by record, read for every candidate step the budget prices
+        self.drafting: list[deque[tuple[float, float, float]]] = [
+            deque(maxlen=LIVE_WINDOW) for _ in range(len(bands) + 1)]
+        """Per band: (observed seconds, price of the same samples without drafts, priced
+        increment), per drafting step."""
+        self._factors = [1.0] * (len(bands) + 1)  # updated by record, read for every candidate step
 
     def record(self, seconds: float, tokens: int, batch: int, qmax: int, context: int, drafting: int) -> None:
         """A decode step the engine ran: its time and its shape."""
         plain = self.costs.seconds(batch, batch, 1, context)
+        band = live_band(batch, self.bands)
         if qmax == 1:
             self.plain.append(seconds / plain)
         else:
             increment = self.costs.seconds(tokens, batch, qmax, context, drafting) - plain
             if increment > 0:
-                self.drafting.append((seconds, plain, increment))
-        if len(self.plain) >= LIVE_MIN and len(self.drafting) >= LIVE_MIN:
-            speed = statistics.median(self.plain)
-            low, high = LIVE_BOUNDS
-            factor = statistics.median((observed / speed - base) / increment
-                                       for observed, base, increment in self.drafting)
-            self._factor = min(max(factor, low), high)
+                self.drafting[band].append((seconds, plain, increment))
+        if len(self.plain) < LIVE_MIN:
+            return
+        speed = statistics.median(self.plain)
+        low, high = LIVE_BOUNDS
+        for b in ((band,) if qmax > 1 else range(len(self.drafting))):
+            steps = self.drafting[b]
+            if len(steps) >= LIVE_MIN:
+                factor = statistics.median((observed / speed - base) / increment
+                                           for observed, base, increment in steps)
+                self._factors[b] = min(max(factor, low), high)
 
-    def drafting_factor(self) -> float:
-        """How much more drafting adds to a step than measured (the live correction)."""
-        return self._factor
+    def drafting_factor(self, batch: int) -> float:
+        """How much more drafting adds to a step of ``batch`` samples than measured (the live
+        correction of its band)."""
+        return self._factors[live_band(batch, self.bands)]
+
+    def drafting_factors(self) -> dict[str, float]:
+        """Every band's correction, by its batch sizes ("1-6", ..., "97+"), for people."""
+        lows = (1,) + tuple(edge + 1 for edge in self.bands)
+        names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.bands)] + [f"{lows[-1]}+"]
+        return dict(zip(names, self._factors))
 
     def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
         """``StepCosts.seconds``, with a drafting step's increment over the plain step of its
-        samples scaled by ``drafting_factor``."""
+        samples scaled by its band's ``drafting_factor``."""
         spent = self.costs.seconds(tokens, batch, qmax, context, drafting)
-        if qmax == 1 or self._factor == 1.0:
+        factor = self._factors[live_band(batch, self.bands)]
+        if qmax == 1 or factor == 1.0:
             return spent
         plain = self.costs.seconds(batch, batch, 1, context)
-        return plain + self._factor * (spent - plain)
+        return plain + factor * (spent - plain)
 
 
 # ---------------------------------------------------------------------- measuring

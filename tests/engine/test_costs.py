@@ -138,7 +138,7 @@ def test_live_steps_correct_what_drafting_adds_to_a_step():
     assert prices.seconds(**shape) == pytest.approx(measured)
     prices.record(1.5 * plain, 16, 16, 1, 200, 0)
     prices.record(1.5 * (plain + 2 * increment), **shape)
-    assert prices.drafting_factor() == pytest.approx(2.0)
+    assert prices.drafting_factor(16) == pytest.approx(2.0)
     assert prices.seconds(**shape) == pytest.approx(plain + 2 * increment)
     assert prices.seconds(16, 16, 1, 200) == pytest.approx(plain)  # plain steps stay as measured
     # A few percent of noise between plain and drafting steps moves the increment by as much, not
@@ -151,4 +151,33 @@ def test_live_steps_correct_what_drafting_adds_to_a_step():
     assert noisy.seconds(**shape) - plain >= LIVE_BOUNDS[0] * increment
     for _ in range(100):
         prices.record(10 * measured, **shape)
-    assert prices.drafting_factor() == LIVE_BOUNDS[1]  # bounded
+    assert prices.drafting_factor(16) == LIVE_BOUNDS[1]  # bounded
+
+
+def test_each_band_of_batch_sizes_corrects_its_own_drafting_steps():
+    """Drafting steps of 16 samples cheaper than measured must not make drafts at 128 samples look
+    cheap (one shared correction did), and a band that never drafted keeps the measured price."""
+    from multispec.engine.costs import LIVE_MIN, Prices, live_band
+
+    prices = Prices(law_costs(knee, per_work=0.01, extra=0.001))
+    small = dict(tokens=32, batch=16, qmax=2, context=200, drafting=16)
+    large = dict(tokens=160, batch=128, qmax=2, context=200, drafting=32)
+    middle = dict(tokens=96, batch=64, qmax=2, context=200, drafting=32)
+    assert len({live_band(16), live_band(64), live_band(128)}) == 3
+
+    def parts(shape):
+        plain = prices.costs.seconds(shape["batch"], shape["batch"], 1, shape["context"])
+        return plain, prices.costs.seconds(**shape) - plain
+
+    for _ in range(LIVE_MIN):
+        for shape, factor in ((small, 0.8), (large, 2.5)):
+            plain, increment = parts(shape)
+            prices.record(plain, shape["batch"], shape["batch"], 1, shape["context"], 0)
+            prices.record(plain + factor * increment, **shape)
+    assert prices.drafting_factor(16) == pytest.approx(0.8)
+    assert prices.drafting_factor(128) == pytest.approx(2.5)
+    assert prices.drafting_factor(64) == 1.0
+    for shape, factor in ((small, 0.8), (large, 2.5), (middle, 1.0)):
+        plain, increment = parts(shape)
+        assert prices.seconds(**shape) == pytest.approx(plain + factor * increment)
+    assert list(prices.drafting_factors().values()).count(1.0) == len(prices.drafting_factors()) - 2
