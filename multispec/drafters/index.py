@@ -66,16 +66,18 @@ class NgramIndex:
     def add(self, source: Text, first_end: int) -> None:
         """Index the n-grams of ``source`` that end at positions first_end..len(source.tokens)."""
         tokens, table, keep = source.tokens, self._table, self.keep
-        for end in range(max(first_end, self.min_n), len(tokens) + 1):
-            window = tuple(tokens[max(0, end - self.max_n):end])
-            for n in range(self.min_n, len(window) + 1):
+        min_n, max_n, most = self.min_n, self.max_n, 2 * keep
+        for end in range(max(first_end, min_n), len(tokens) + 1):
+            window = tuple(tokens[max(0, end - max_n):end])
+            occurrence = (source, end)
+            for n in range(min_n, len(window) + 1):
                 key = window[-n:]
                 occurrences = table.get(key)
                 if occurrences is None:
-                    table[key] = [(source, end)]
+                    table[key] = [occurrence]
                 else:
-                    occurrences.append((source, end))
-                    if len(occurrences) > 2 * keep:
+                    occurrences.append(occurrence)
+                    if len(occurrences) > most:
                         del occurrences[:-keep]
 
     def recent(self, key: tuple[int, ...]) -> list[Occurrence]:

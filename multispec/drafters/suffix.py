@@ -100,6 +100,12 @@ class SuffixDrafter:
         sample.text.extend(new_tokens, token_probs, alternatives)
         sample.index.add(sample.text, start + 1)
 
+    def observe_many(self, sample_ids: list[int], new_tokens: list[list[int]],
+                     token_probs: list[list[float] | None], alternatives: list[list[Alternatives] | None]) -> None:
+        """``observe`` for several samples, in order (one call a request each step)."""
+        for each in zip(sample_ids, new_tokens, token_probs, alternatives):
+            self.observe(*each)
+
     def remove(self, sample_id: int) -> None:
         self._samples.pop(sample_id, None)
 

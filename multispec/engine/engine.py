@@ -503,26 +503,42 @@ class LLMEngine:
         return proposed
 
     def _observe(self, step: Step, results: list[Verified], kept: list[int], changed: dict[str, Request]) -> None:
-        """Tell each lane's drafter what its samples appended, and count them for their requests."""
-        counted: set[Request] = set()
+        """Tell each lane's drafter what its samples appended, and count them for their requests.
+        A drafter with ``observe_many`` hears each request's samples in one call (128 calls a step
+        of 8 x 16 samples cost about 1 ms of a 66 ms step on a 2-core CPU, with nothing drafted)."""
+        added: dict[Request, tuple[list[int], list[list[int]], list[list[float]], list]] = {}
         for b, sample in enumerate(step.samples):
             request = sample.request
-            changed[request.request_id] = request
             metrics = request.metrics
-            if request not in counted:
-                counted.add(request)
+            calls = added.get(request)
+            if calls is None:
+                calls = added[request] = ([], [], [], [])
+                changed[request.request_id] = request
                 metrics.decode_steps += 1
             metrics.sample_steps += 1
             metrics.drafted_tokens += len(step.trees[b].tokens)
-            metrics.accepted_tokens += len(results[b].path)
+            path = results[b].path
+            metrics.accepted_tokens += len(path)
             if request.error is not None:
                 continue
-            added = kept[b]
+            count = kept[b]
             result = results[b]
+            output = sample.output_ids
+            calls[0].append(sample.sample_id)
+            calls[1].append(output[len(output) - count:])
+            calls[2].append(result.token_probs[:count])
+            calls[3].append(None if result.alternatives is None else result.alternatives[:count])
+        for request, (sample_ids, tokens, probs, alternatives) in added.items():
+            if not sample_ids:
+                continue
+            drafter = self.lanes[request.lane].drafter
             try:
-                self.lanes[request.lane].drafter.observe(
-                    sample.sample_id, sample.output_ids[len(sample.output_ids) - added:], result.token_probs[:added],
-                    None if result.alternatives is None else result.alternatives[:added])
+                many = getattr(drafter, "observe_many", None)
+                if many is not None:
+                    many(sample_ids, tokens, probs, alternatives)
+                else:
+                    for each in zip(sample_ids, tokens, probs, alternatives):
+                        drafter.observe(*each)
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
 

@@ -174,19 +174,32 @@ def test_stop_strings_end_samples_at_the_same_token_with_and_without_speculation
 
 
 class Failing(ConsensusDrafter):
-    """Raises when asked for drafts for any sample of its second prompt group (the engine asks
-    for a lane's samples in one call, and again request by request when that call raises)."""
+    """Raises when asked for drafts for (``fail_in`` "propose") or told a decode step's tokens of
+    (``fail_in`` "observe") any sample of its second prompt group: the engine asks for a lane's
+    samples in one call, and again request by request when that call raises; it tells each
+    request's samples in one call."""
+
+    fail_in = "propose"
 
     def propose(self, sample_ids, budgets, uniforms=None):
-        if max(sample_ids) >= self.fail_from:
+        if self.fail_in == "propose" and max(sample_ids) >= self.fail_from:
             raise RuntimeError("drafter broke")
         return super().propose(sample_ids, budgets, uniforms)
 
+    def observe(self, sample_id, new_tokens, token_probs=None, alternatives=None):
+        told = self.__dict__.setdefault("told", set())
+        if self.fail_in == "observe" and sample_id >= self.fail_from and sample_id in told:
+            raise RuntimeError("drafter broke")  # in a decode step's commit, not the prefill's
+        told.add(sample_id)
+        super().observe(sample_id, new_tokens, token_probs, alternatives)
 
-def test_a_failing_request_ends_with_its_error_and_the_others_complete(engine, prompt, monkeypatch):
+
+@pytest.mark.parametrize("fail_in", ["propose", "observe"])
+def test_a_failing_request_ends_with_its_error_and_the_others_complete(engine, prompt, monkeypatch, fail_in):
     monkeypatch.setitem(DRAFTERS, "failing", Failing)
+    monkeypatch.setattr(Failing, "fail_in", fail_in)
     spec = SpecConfig(drafter="failing", max_draft_tokens=3, max_draft_nodes=3, adaptive=False)
-    Failing.fail_from = engine._next_sample_id + 4  # the second request's samples
+    monkeypatch.setattr(Failing, "fail_from", engine._next_sample_id + 4, raising=False)  # the second request's
     engine.add_request("ok", prompt, params(), spec)
     engine.add_request("bad", prompt, params(seed=4), spec)
     seen = run(engine)
