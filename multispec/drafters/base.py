@@ -113,7 +113,10 @@ class Drafter(Protocol):
                 alternatives: list[tuple[list[int], list[float]] | None] | None = None) -> None:
         """Tokens appended to a sample, optionally with the target's probability of each and the
         target's most likely tokens and their probabilities at each token's position (None at a
-        position where none can reach ``min_alternative``)."""
+        position where none can reach ``min_alternative``). A drafter may also define
+        ``observe_many(sample_ids, new_tokens, token_probs, alternatives)``, the same for several
+        samples in order (lists of each argument); the engine then tells it each request's samples
+        of a decode step in one call."""
 
     def remove(self, sample_id: int) -> None:
         """The sample finished: it stops proposing but its text stays a source for its siblings.
