@@ -256,46 +256,55 @@ class Prices:
             deque(maxlen=LIVE_WINDOW) for _ in range(len(bands) + 1)]
         """Per band: (observed seconds, price of the same samples without drafts, priced
         increment), per drafting step."""
-        self._factors = [1.0] * (len(bands) + 1)  # updated by record, read for every candidate step
+        self._factors = [1.0] * (len(bands) + 1)
+        self._steps = 0
+        self._computed = [0] * (len(bands) + 1)
+        """Per band, ``_steps`` when its correction was last computed: a band's median is taken
+        when the budget first prices a step of it after a recorded step, not for every band at
+        every step."""
 
     def record(self, seconds: float, tokens: int, batch: int, qmax: int, context: int, drafting: int) -> None:
         """A decode step the engine ran: its time and its shape."""
         plain = self.costs.seconds(batch, batch, 1, context)
-        band = live_band(batch, self.bands)
         if qmax == 1:
             self.plain.append(seconds / plain)
         else:
             increment = self.costs.seconds(tokens, batch, qmax, context, drafting) - plain
             if increment > 0:
-                self.drafting[band].append((seconds, plain, increment))
-        if len(self.plain) < LIVE_MIN:
-            return
-        speed = statistics.median(self.plain)
-        low, high = LIVE_BOUNDS
-        for b in ((band,) if qmax > 1 else range(len(self.drafting))):
-            steps = self.drafting[b]
-            if len(steps) >= LIVE_MIN:
+                self.drafting[live_band(batch, self.bands)].append((seconds, plain, increment))
+        self._steps += 1
+
+    def _factor(self, band: int) -> float:
+        if self._computed[band] != self._steps:
+            self._computed[band] = self._steps
+            steps = self.drafting[band]
+            if len(self.plain) >= LIVE_MIN and len(steps) >= LIVE_MIN:
+                speed = statistics.median(self.plain)
                 factor = statistics.median((observed / speed - base) / increment
                                            for observed, base, increment in steps)
-                self._factors[b] = min(max(factor, low), high)
+                low, high = LIVE_BOUNDS
+                self._factors[band] = min(max(factor, low), high)
+        return self._factors[band]
 
     def drafting_factor(self, batch: int) -> float:
         """How much more drafting adds to a step of ``batch`` samples than measured (the live
         correction of its band)."""
-        return self._factors[live_band(batch, self.bands)]
+        return self._factor(live_band(batch, self.bands))
 
     def drafting_factors(self) -> dict[str, float]:
         """Every band's correction, by its batch sizes ("1-6", ..., "97+"), for people."""
         lows = (1,) + tuple(edge + 1 for edge in self.bands)
         names = [f"{lo}-{hi}" for lo, hi in zip(lows, self.bands)] + [f"{lows[-1]}+"]
-        return dict(zip(names, self._factors))
+        return dict(zip(names, (self._factor(band) for band in range(len(self._factors)))))
 
     def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
         """``StepCosts.seconds``, with a drafting step's increment over the plain step of its
         samples scaled by its band's ``drafting_factor``."""
         spent = self.costs.seconds(tokens, batch, qmax, context, drafting)
-        factor = self._factors[live_band(batch, self.bands)]
-        if qmax == 1 or factor == 1.0:
+        if qmax == 1:
+            return spent
+        factor = self._factor(live_band(batch, self.bands))
+        if factor == 1.0:
             return spent
         plain = self.costs.seconds(batch, batch, 1, context)
         return plain + factor * (spent - plain)

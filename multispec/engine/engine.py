@@ -504,8 +504,7 @@ class LLMEngine:
 
     def _observe(self, step: Step, results: list[Verified], kept: list[int], changed: dict[str, Request]) -> None:
         """Tell each lane's drafter what its samples appended, and count them for their requests.
-        A drafter with ``observe_many`` hears each request's samples in one call (128 calls a step
-        of 8 x 16 samples cost about 1 ms of a 66 ms step on a 2-core CPU, with nothing drafted)."""
+        A drafter with ``observe_many`` hears each request's samples in one call, not one a sample."""
         added: dict[Request, tuple[list[int], list[list[int]], list[list[float]], list]] = {}
         for b, sample in enumerate(step.samples):
             request = sample.request
@@ -517,8 +516,7 @@ class LLMEngine:
                 metrics.decode_steps += 1
             metrics.sample_steps += 1
             metrics.drafted_tokens += len(step.trees[b].tokens)
-            path = results[b].path
-            metrics.accepted_tokens += len(path)
+            metrics.accepted_tokens += len(results[b].path)
             if request.error is not None:
                 continue
             count = kept[b]
