@@ -140,7 +140,7 @@ def _walk_direct(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
     walking, depth = list(range(batch)), 0
     tops = argmax.tolist() if argmax is not None else None
     if tops is None and not greedy and isinstance(rng, PositionKeys) and len(tokens) <= ALL_ROWS_AT_ONCE:
-        tops = _draw_every_row(p, layout, rng, children)
+        tops = _draw_every_row(p, row_keys(p.shape[0], layout, rng, children))
     if tops is not None:  # greedy with the rows' argmax given, or every row drawn already
         path, bonus, _ = walk_drawn(tokens, layout, children, tops)
         return _listed_result(path, bonus, tokens, first, layout.depth_max, device)
@@ -222,11 +222,10 @@ def row_keys(rows: int, layout: TreeLayout, rng: PositionKeys, children: list[li
     return derive(rng.sample_keys[samples], rng.start[samples] + np.asarray(row_depth, dtype=np.int64))
 
 
-def _draw_every_row(p: torch.Tensor, layout: TreeLayout, rng: PositionKeys, children: list[list[int]]) -> list[int]:
+def _draw_every_row(p: torch.Tensor, keys: np.ndarray) -> list[int]:
     """The token each row of p draws, keyed as the walk keys it (``row_keys``). Every row's own
     draw, in one ``sample_rows`` call: the rows the walk reaches take exactly the tokens a draw per
     depth gives them (each row is drawn alone, from its own uniform)."""
-    keys = row_keys(p.shape[0], layout, rng, children)
     return sampling.sample_rows(p, Uniforms(p.shape[0], keys=keys), fallback=p).tolist()
 
 
@@ -300,7 +299,7 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
             accepted[row] = ok
     from_p = None
     if len(tokens) <= ALL_ROWS_AT_ONCE:
-        from_p = sampling.sample_rows(p, Uniforms(p.shape[0], keys=keys), fallback=p).tolist()
+        from_p = _draw_every_row(p, keys)
     current = layout.root_row.tolist()
     batch = len(current)
     path: list[list[int]] = [[] for _ in range(batch)]
