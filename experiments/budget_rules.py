@@ -1,4 +1,5 @@
-"""A draft budget rule against the rule before it, on two long-lived engines in one process.
+"""A draft budget rule (or drafter path) against the one before it, on two long-lived engines in one
+process.
 
 Each engine keeps its lanes across calls, as a server or a benchmark does; one runs the budget as
 it is, the other with one rule as it was, and each alternates with plain decoding on itself (the
@@ -11,11 +12,14 @@ paid (``DraftBudget.select(proposing=...)``); the old engine passes 0 for them.
 ``--rule bands``: the live correction of drafting steps per band of batch sizes
 (``multispec.engine.costs.LIVE_BANDS``); the old engine keeps one correction for every batch size
 (``Prices(bands=())``).
+``--rule store``: the consensus drafter's compiled store (``multispec/kernels/suffix_store.cpp``);
+the old engine's drafters keep their texts, index and tries in Python (the same drafts).
 
     python experiments/budget_rules.py --rule proposal --questions 8 --n 16 --rounds 4
     python experiments/budget_rules.py --rule bands --questions 8 --n 16 --rounds 4
     python experiments/budget_rules.py --rule bands --questions 4 --n 4 --one-at-a-time --rounds 3
     python experiments/budget_rules.py --rule bands --questions 2 --n 16 --one-at-a-time --rounds 3
+    python experiments/budget_rules.py --rule store --questions 2 --n 16 --one-at-a-time --rounds 4
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rule", choices=("proposal", "bands"), required=True)
+    parser.add_argument("--rule", choices=("proposal", "bands", "store"), required=True)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
@@ -41,6 +45,7 @@ def main() -> None:
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.engine import budget
     from multispec.engine.costs import Prices
+    from multispec.drafters import suffix
     from multispec.reasoning import load_gsm8k
 
     now_llm, old_llm = LLM(), LLM()
@@ -56,17 +61,27 @@ def main() -> None:
             return select(self, trees, context, others, drafting, 0.0 if old else proposing)
         return call
 
+    compiled_store = suffix._compiled_store
+
+    def chat(llm, *call, **options):
+        # The old engine's lanes are created (in its first call) without the compiled store.
+        suffix._compiled_store = (lambda drafter: None) if llm is old_llm and args.rule == "store" else compiled_store
+        try:
+            return llm.chat(*call, **options)
+        finally:
+            suffix._compiled_store = compiled_store
+
     spec = SpecConfig(drafter="consensus")
     for llm in (now_llm, old_llm):
-        llm.chat(conversations[:1], SamplingParams(n=args.n, temperature=0.7, max_tokens=16, seed=0), spec,
-                 use_tqdm=False)
+        chat(llm, conversations[:1], SamplingParams(n=args.n, temperature=0.7, max_tokens=16, seed=0), spec,
+             use_tqdm=False)
 
     def run(llm, params, spec):
         batches = [[c] for c in conversations] if args.one_at_a_time else [conversations]
         tokens = steps = drafted = accepted = samples = 0
         start = time.perf_counter()
         for batch in batches:
-            llm.chat(batch, params, spec, use_tqdm=False)
+            chat(llm, batch, params, spec, use_tqdm=False)
             s = llm.last_stats
             tokens += s.generated_tokens
             steps += s.decode_forwards

@@ -31,6 +31,25 @@ def _likely(alternatives: Alternatives, keep: int) -> Alternatives | None:
     return (tokens[:n], probs[:n]) if n else None
 
 
+def _compiled_store(drafter: SuffixDrafter):
+    """The compiled store with the drafter's settings, or None where it cannot serve them (the
+    kernels are off or cannot be built, n-grams longer than it keys, no occurrence kept)."""
+    from multispec import kernels
+    from multispec.drafters import lookup, trie
+
+    if drafter.max_ngram > 8 or drafter.max_matches < 1:
+        return None
+    module = kernels.suffix_store()
+    if module is None:
+        return None
+    return module.SuffixStore(
+        min_n=drafter.min_ngram, max_n=drafter.max_ngram, keep=drafter.max_matches, max_votes=drafter.max_votes,
+        max_depth=drafter.max_depth, max_nodes=drafter.max_nodes, shared=drafter.share_siblings,
+        first_only=not drafter.aggregate, alternatives=drafter.alternatives, min_alternative=MIN_ALTERNATIVE,
+        length_decay=lookup.LENGTH_DECAY, unknown_confidence=trie.UNKNOWN_CONFIDENCE,
+        alternative_depth=lookup.ALTERNATIVE_DEPTH)
+
+
 @dataclass(eq=False)
 class _Sample:
     text: Text
@@ -70,11 +89,22 @@ class SuffixDrafter:
         self.max_matches = max_matches
         self.max_votes = max_votes
         self._samples: dict[int, _Sample] = {}
+        self._store = None if sampled else _compiled_store(self)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether this drafter's texts, index and tries are the compiled store's
+        (``multispec/kernels/suffix_store.cpp``: the same drafts as the Python path, bit for bit,
+        for a fraction of the time); sampled drafts and a machine that cannot build it use Python."""
+        return self._store is not None
 
     def _new_index(self) -> NgramIndex:
         return NgramIndex(self.min_ngram, self.max_ngram, self.max_matches)
 
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
+        if self._store is not None:
+            self._store.add_group(prompt_ids, sample_ids)
+            return
         taken = [s for s in sample_ids if s in self._samples]
         if taken:
             raise ValueError(f"sample ids already live: {taken}")
@@ -90,6 +120,9 @@ class SuffixDrafter:
 
     def observe(self, sample_id: int, new_tokens: list[int], token_probs: list[float] | None = None,
                 alternatives: list[Alternatives] | None = None) -> None:
+        if self._store is not None:
+            self._store.observe(sample_id, new_tokens, token_probs, alternatives)
+            return
         sample = self._samples[sample_id]
         start = len(sample.text.tokens)
         if alternatives is not None and self.alternatives:
@@ -102,15 +135,25 @@ class SuffixDrafter:
 
     def observe_many(self, sample_ids: list[int], new_tokens: list[list[int]],
                      token_probs: list[list[float] | None], alternatives: list[list[Alternatives] | None]) -> None:
-        """``observe`` for several samples, in order (one call a request each step)."""
+        """``observe`` for several samples, in order (one call a request each step; a subclass that
+        overrides ``observe`` hears every sample through it)."""
+        if self._store is not None and type(self).observe is SuffixDrafter.observe:
+            self._store.observe_many(sample_ids, new_tokens, token_probs, alternatives)
+            return
         for each in zip(sample_ids, new_tokens, token_probs, alternatives):
             self.observe(*each)
 
     def remove(self, sample_id: int) -> None:
+        if self._store is not None:
+            self._store.remove(sample_id)
+            return
         self._samples.pop(sample_id, None)
 
     def propose(self, sample_ids: list[int], budgets: list[int],
                 uniforms: Sequence[Sequence[float]] | None = None) -> list[DraftTree]:
+        if self._store is not None:
+            return [DraftTree(tokens, parents, None, confidence, evidence) if tokens else DraftTree.EMPTY
+                    for tokens, parents, confidence, evidence in self._store.propose(sample_ids, budgets)]
         budgets = [max(0, min(b, self.max_nodes)) for b in budgets]
         if not self.sampled:
             return [self._propose_one(self._samples[s], b, None) for s, b in zip(sample_ids, budgets)]

@@ -132,6 +132,56 @@ def stream_dtype() -> torch.dtype | None:
     return {1: torch.bfloat16, 2: torch.bfloat16, 3: torch.float32}.get(stream_kind())
 
 
+STORE_SOURCE = Path(__file__).with_name("suffix_store.cpp")
+STORE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+"""The suffix store's flags: no fused multiply-adds, so its vote weights round as Python's do."""
+
+
+def suffix_store():
+    """The compiled suffix drafters' store (``suffix_store.cpp``, a Python module), built or loaded
+    on the first call; None where the kernels are off or it cannot be built (one warning says
+    why, and the drafters keep their Python path)."""
+    if not enabled():
+        return None
+    module = _handles.get("suffix_store")
+    if module is not None or "store built" in _state:
+        return module
+    with _lock:
+        if "store built" not in _state:
+            try:
+                _handles["suffix_store"] = _load_store()
+            except Exception as error:  # noqa: BLE001 - any build failure means: use the Python path
+                warnings.warn(f"multispec: the compiled suffix store could not be built ({type(error).__name__}: "
+                              f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); the "
+                              "suffix drafters use their Python path", RuntimeWarning, stacklevel=3)
+            _state["store built"] = True
+    return _handles.get("suffix_store")
+
+
+def _load_store():
+    import importlib.util
+
+    from torch.utils import cpp_extension
+
+    from multispec.engine.costs import machine
+    from multispec.models.loading import default_cache_dir
+
+    key = hashlib.sha256(STORE_SOURCE.read_bytes() + " ".join(STORE_FLAGS).encode() + torch.__version__.encode()
+                         + platform.machine().encode() + machine().encode()).hexdigest()[:16]
+    build = default_cache_dir() / "kernels" / f"store-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    name = "multispec_suffix_store"
+    library = next(build.glob(f"{name}*.so"), None)
+    if library is None:
+        log.info("compiling the suffix drafters' store once for this machine (a few seconds)")
+        return cpp_extension.load(name=name, sources=[str(STORE_SOURCE)], extra_cflags=STORE_FLAGS,
+                                  build_directory=str(build), is_python_module=True, verbose=False)
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _op(name: str):
     if not enabled():
         return None
