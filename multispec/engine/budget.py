@@ -277,10 +277,10 @@ class DraftBudget:
         k of highest expected tokens per second, 0 (with a plain step's figures) unless it beats
         ``plain`` tokens per second by ``MARGIN``. ``least``: the first so many must be kept
         (drawn nodes), whatever they promise."""
-        seconds = self.costs.seconds
+        price = self.costs.pricer(batch, context)
         counts = [1] * own
         qmax, samples_drafting, gained = 1, 0, float(batch)
-        best = (0, float(batch), seconds(batch, batch, 1, context))
+        best = (0, float(batch), price(batch, 1))
         best_rate = MARGIN * plain
         for k, (_, neg_chance, _, b, *_) in enumerate(candidates, 1):
             gained -= neg_chance
@@ -289,7 +289,7 @@ class DraftBudget:
             qmax = max(qmax, counts[b])
             if k < least:
                 continue
-            step = seconds(batch + k, batch, qmax, context, samples_drafting)
+            step = price(batch + k, qmax, samples_drafting)
             if gained / step > best_rate or k == least:
                 best, best_rate = (k, gained, step), gained / step
         return best

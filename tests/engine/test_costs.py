@@ -181,3 +181,24 @@ def test_each_band_of_batch_sizes_corrects_its_own_drafting_steps():
         plain, increment = parts(shape)
         assert prices.seconds(**shape) == pytest.approx(plain + factor * increment)
     assert list(prices.drafting_factors().values()).count(1.0) == len(prices.drafting_factors()) - 2
+
+
+def test_a_pricer_gives_exactly_the_seconds_of_its_batch_and_context():
+    """The budget prices every cut of a step's ranked nodes through ``pricer``; it must be
+    ``seconds`` itself (the same floats), measured prices and corrected ones alike."""
+    from multispec.engine.costs import LIVE_MIN, Prices
+
+    costs = law_costs(knee, per_work=0.01, extra=lambda batch: 0.001 + 0.00002 * batch)
+    prices = Prices(costs)
+    for _ in range(LIVE_MIN):  # a correction of 1.3 for the band of 16 samples
+        plain = costs.seconds(16, 16, 1, 200)
+        prices.record(plain, 16, 16, 1, 200, 0)
+        prices.record(plain + 1.3 * (costs.seconds(40, 16, 4, 200, 8) - plain), 40, 16, 4, 200, 8)
+    assert prices.drafting_factor(16) == pytest.approx(1.3)
+    for batch in (1, 4, 16, 100):
+        for context in (30, 400):
+            for each in (costs, prices):
+                price = each.pricer(batch, context)
+                for tokens, qmax, drafting in ((batch, 1, None), (batch, 1, 0), (batch + 3, 2, 3),
+                                               (batch + 7, 4, 3), (batch * 3, 3, batch), (batch + 40, 7, 9)):
+                    assert price(tokens, qmax, drafting) == each.seconds(tokens, batch, qmax, context, drafting)
