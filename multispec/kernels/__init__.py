@@ -15,6 +15,10 @@ takes items from another's. They are compiled once per machine, torch version an
 seconds on a 2-core CPU) into the cache directory (``MULTISPEC_CACHE``, default
 ``~/.cache/multispec``) with ``-O3 -march=native``. Where they cannot be built (no compiler, no
 ninja) the engine keeps its portable path and says so once; ``MULTISPEC_KERNELS=0`` turns them off.
+
+A second, smaller library is a Python module, not operators: the suffix drafters' store
+(``suffix_store.cpp``: texts, n-gram index, lookup and vote trie, kept across steps), built the
+same way on first use (a few seconds) and turned off by the same variable.
 """
 
 from __future__ import annotations
