@@ -104,3 +104,26 @@ def test_the_compiled_store_keeps_the_python_errors(monkeypatch):
         drafter.remove(7)  # unknown ids are ignored, as for the Python path
         drafter.remove(1)
         drafter.add_group(1, [5], [1])  # a retired sample's id may be used again
+
+
+def test_a_store_that_cannot_be_built_leaves_the_python_path_with_one_warning(monkeypatch):
+    def broken():
+        raise RuntimeError("no compiler\nninja: error: something")
+
+    monkeypatch.setattr(kernels, "_load_store", broken)
+    monkeypatch.setattr(kernels, "_state", {k: v for k, v in kernels._state.items() if k != "store built"})
+    monkeypatch.setattr(kernels, "_handles", {k: v for k, v in kernels._handles.items() if k != "suffix_store"})
+    with pytest.warns(RuntimeWarning, match="suffix store could not be built.*ninja: error: something"):
+        drafter = make_drafter("consensus", vocab_size=12, max_depth=4, max_nodes=8)
+    assert not drafter.compiled
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not per drafter
+        again = make_drafter("consensus", vocab_size=12, max_depth=4, max_nodes=8)
+    assert not again.compiled
+    drafter.add_group(0, [1, 2], [0, 1])
+    drafter.observe(0, [3, 4, 5])
+    drafter.observe(1, [3, 4, 5, 6])
+    drafter.observe(0, [3, 4])
+    assert drafter.propose([0], [2])[0].tokens == [5, 6]
