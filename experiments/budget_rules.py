@@ -43,9 +43,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from multispec import LLM, SamplingParams, SpecConfig
+    from multispec.drafters import suffix
     from multispec.engine import budget
     from multispec.engine.costs import Prices
-    from multispec.drafters import suffix
     from multispec.reasoning import load_gsm8k
 
     now_llm, old_llm = LLM(), LLM()

@@ -5,6 +5,11 @@ of the prompt matches too. The prompt is indexed once per group (n-grams ending 
 n-grams ending at or after the end of the prompt go into the samples' index, either one shared by
 the whole group (consensus: siblings draft for each other) or one per sample (prompt lookup).
 A finished sample's text stays in the index; a group's state is freed with its last sample.
+
+Copied drafts keep all of this in a compiled store where it can be built
+(``multispec/kernels/suffix_store.cpp``): the same texts, index, lookup and trie, drafting the same
+trees to the last bit (``tests/drafters/test_compiled_store.py``). The Python below is the path for
+sampled drafts and for machines without the store, and the reference the store is tested against.
 """
 
 from __future__ import annotations
