@@ -12,6 +12,8 @@ paid (``DraftBudget.select(proposing=...)``); the old engine passes 0 for them.
 ``--rule bands``: the live correction of drafting steps per band of batch sizes
 (``multispec.engine.costs.LIVE_BANDS``); the old engine keeps one correction for every batch size
 (``Prices(bands=())``).
+``--rule live``: drafting steps priced with the live correction (``Prices``); the old engine prices
+them as measured (every band's correction held at 1).
 ``--rule store``: the consensus drafter's compiled store (``multispec/kernels/suffix_store.cpp``);
 the old engine's drafters keep their texts, index and tries in Python (the same drafts).
 
@@ -20,6 +22,7 @@ the old engine's drafters keep their texts, index and tries in Python (the same 
     python experiments/budget_rules.py --rule bands --questions 4 --n 4 --one-at-a-time --rounds 3
     python experiments/budget_rules.py --rule bands --questions 2 --n 16 --one-at-a-time --rounds 3
     python experiments/budget_rules.py --rule store --questions 2 --n 16 --one-at-a-time --rounds 4
+    python experiments/budget_rules.py --rule live --questions 2 --n 16 --one-at-a-time --rounds 4
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rule", choices=("proposal", "bands", "store"), required=True)
+    parser.add_argument("--rule", choices=("proposal", "bands", "live", "store"), required=True)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
@@ -51,6 +54,12 @@ def main() -> None:
     now_llm, old_llm = LLM(), LLM()
     if args.rule == "bands":
         old_llm.engine._prices = Prices(old_llm.engine.step_costs(), bands=())
+    elif args.rule == "live":
+        class Measured(Prices):
+            def _factor(self, band: int) -> float:
+                return 1.0
+
+        old_llm.engine._prices = Measured(old_llm.engine.step_costs())
     conversations = [p.chat() for p in load_gsm8k(limit=args.questions)]
     select = budget.DraftBudget.select
     calls = [0]
@@ -110,7 +119,7 @@ def main() -> None:
                 f"drafted/step {', '.join(f'{x[1]:.2f}' for x in results[name])}; "
                 f"tau {', '.join(f'{x[2]:.2f}' for x in results[name])}; "
                 f"select/step {', '.join(f'{x[3]:.2f}' for x in results[name])}")
-        if args.rule == "bands":
+        if args.rule in ("bands", "live"):
             line += "; corrections: " + ", ".join(
                 f"{band} {f:.2f}" for band, f in llm.engine.prices().drafting_factors().items())
         print(line)
