@@ -62,19 +62,28 @@ def enabled() -> bool:
     return os.environ.get("MULTISPEC_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def build_key() -> str:
-    """What the compiled library depends on (sources, flags, torch, the machine), hashed."""
+def build_key(paths: list[Path] | None = None, flags: list[str] | None = None) -> str:
+    """What a compiled library depends on (sources, flags, torch, the machine), hashed; by default
+    the operators' library's."""
     from multispec.engine.costs import machine
 
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    return hashlib.sha256(source + " ".join(FLAGS).encode() + torch.__version__.encode()
+    source = b"".join(path.read_bytes() for path in (SOURCES + HEADERS if paths is None else paths))
+    return hashlib.sha256(source + " ".join(FLAGS if flags is None else flags).encode() + torch.__version__.encode()
                           + platform.machine().encode() + machine().encode()).hexdigest()[:16]
 
 
-def _build_dir() -> Path:
+def _build_dir(name: str | None = None) -> Path:
     from multispec.models.loading import default_cache_dir
 
-    return default_cache_dir() / "kernels" / build_key()
+    return default_cache_dir() / "kernels" / (name or build_key())
+
+
+def _warn_unbuilt(what: str, error: Exception, instead: str, stacklevel: int) -> None:
+    """The one warning that a compiled library could not be built, with the error's last line
+    (``stacklevel`` as the caller would pass it)."""
+    text = str(error).strip()
+    warnings.warn(f"multispec: the compiled {what} could not be built ({type(error).__name__}: "
+                  f"{text.splitlines()[-1] if text else ''}); {instead}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def decode_attention():
@@ -155,9 +164,7 @@ def suffix_store():
             try:
                 _handles["suffix_store"] = _load_store()
             except Exception as error:  # noqa: BLE001 - any build failure means: use the Python path
-                warnings.warn(f"multispec: the compiled suffix store could not be built ({type(error).__name__}: "
-                              f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); the "
-                              "suffix drafters use their Python path", RuntimeWarning, stacklevel=3)
+                _warn_unbuilt("suffix store", error, "the suffix drafters use their Python path", 3)
             _state["store built"] = True
     return _handles.get("suffix_store")
 
@@ -167,12 +174,7 @@ def _load_store():
 
     from torch.utils import cpp_extension
 
-    from multispec.engine.costs import machine
-    from multispec.models.loading import default_cache_dir
-
-    key = hashlib.sha256(STORE_SOURCE.read_bytes() + " ".join(STORE_FLAGS).encode() + torch.__version__.encode()
-                         + platform.machine().encode() + machine().encode()).hexdigest()[:16]
-    build = default_cache_dir() / "kernels" / f"store-{key}"
+    build = _build_dir("store-" + build_key([STORE_SOURCE], STORE_FLAGS))
     build.mkdir(parents=True, exist_ok=True)
     name = "multispec_suffix_store"
     library = next(build.glob(f"{name}*.so"), None)
@@ -199,10 +201,8 @@ def _op(name: str):
                 _load()
                 built = True
             except Exception as error:  # noqa: BLE001 - any build failure means: use the portable path
-                warnings.warn(f"multispec: the compiled CPU kernels could not be built ({type(error).__name__}: "
-                              f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); decoding "
-                              "uses the portable path, which is slower on small batches", RuntimeWarning,
-                              stacklevel=4)
+                _warn_unbuilt("CPU kernels", error, "decoding uses the portable path, which is slower on small batches",
+                              4)
             _state["built"] = built
         if not _state["built"]:
             return None
