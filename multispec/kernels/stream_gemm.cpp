@@ -192,12 +192,15 @@ void configure_stream(int64_t rows) {
   multispec_amx::load_config(config);
 }
 
-// How far ahead (in elements) a pass of more than 16 rows asks for its weight, into L2: sixteen
-// k blocks. With one row block the tiles keep up with memory on the hardware prefetcher alone (asking
-// ahead made 1 to 16 rows 0-3% slower); from two blocks on the tile products take about as long
-// as reading their weights, and without asking ahead the two ran one after the other: 17 to 48
-// rows 0.91-0.93x the time with it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX).
+// How far ahead (in elements) a pass of ASK_ROWS rows or more asks for its weight, into L2: sixteen
+// k blocks. From two row blocks on the tile products take about as long as reading their weights,
+// and without asking ahead the two ran one after the other: 17 to 48 rows 0.91-0.93x the time with
+// it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows keeps up
+// with memory on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
+// decode steps with and without it, alternating in one process, took 0.984x the time at 8 samples,
+// 0.973x at 12 and 0.952x at 16, against 0.997x at 6 and 1.02x at 4 (on a 2-core Xeon with AMX).
 constexpr int64_t AMX_PREFETCH = 16 * 1024;
+constexpr int64_t ASK_ROWS = 8;
 
 // The 32 cache lines of one k block's two weight tiles, into L2.
 inline void prefetch_block(const uint16_t* tiles) {
@@ -211,7 +214,7 @@ inline void prefetch_block(const uint16_t* tiles) {
 //
 // One or two row blocks: accumulators tmm0..tmm3 (row block i, column tile j: tile 2i + j), x's
 // row blocks in tmm4 and tmm5, the two weight tiles in tmm6 and tmm7.
-template <int BLOCKS>
+template <int BLOCKS, bool ASK = (BLOCKS > 1)>
 inline void panel_product(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t kblocks, float* out) {
   _tile_zero(0);
   _tile_zero(1);
@@ -223,7 +226,7 @@ inline void panel_product(const uint16_t* x, int64_t x_stride, const uint16_t* w
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     const uint16_t* tiles = w + kb * 2 * 512;
     const uint16_t* xk = x + kb * KBLOCK;
-    if constexpr (BLOCKS > 1) prefetch_block(tiles + AMX_PREFETCH);
+    if constexpr (ASK) prefetch_block(tiles + AMX_PREFETCH);
     _tile_loadd(6, tiles, 64);
     _tile_loadd(7, tiles + 512, 64);
     _tile_loadd(4, xk, xs);
@@ -281,10 +284,19 @@ inline void for_row_passes(int64_t rows, const Body& body) {
 }
 
 // One panel's product for ``chunk`` rows (tiles configured by configure_stream(chunk)) into out.
+//
+// Its sums leave the tiles through memory, and the vector loads that round them must wait until
+// the tile stores are done. The products below therefore round (and activate) each panel's sums
+// after the thread's next panel has been multiplied, from a second buffer (DEFERRED): decode
+// steps of 16 samples 0.981x the time (alternating in one process, 0.965-1.000), 4 and 128
+// samples unchanged (1.004x, 0.992x). The outputs are the same bit for bit.
 inline void amx_panel(int64_t chunk, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t kblocks,
                       float* out) {
   switch ((chunk + 15) / 16) {
-    case 1: panel_product<1>(x, x_stride, w, kblocks, out); break;
+    case 1:
+      if (chunk >= ASK_ROWS) panel_product<1, true>(x, x_stride, w, kblocks, out);
+      else panel_product<1>(x, x_stride, w, kblocks, out);
+      break;
     case 2: panel_product<2>(x, x_stride, w, kblocks, out); break;
     default: panel_product3(x, x_stride, w, kblocks, out); break;
   }
@@ -609,21 +621,27 @@ at::Tensor stream_linear_on(const at::Tensor& x, const at::Tensor& packed, const
   if (kind == 2) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       multispec_amx::Release release{true};
-      alignas(64) float out[MAX_ROWS * PANEL];
+      alignas(64) float out[2][MAX_ROWS * PANEL];
       for_row_passes(rows, [&](int64_t r0, int64_t chunk) {
         const uint16_t* xc = xp + r0 * k;
-        for (int64_t p = begin; p < end; ++p) {
-          amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out);
-          // Round each row's 32 sums (plus the bias) to bf16, nearest even, sixteen lanes at a time.
+        // Round each row's 32 sums of panel p (plus the bias) to bf16, nearest even, sixteen lanes
+        // at a time.
+        auto finish = [&](int64_t p, const float* sums) {
           __m512 bias_lo, bias_hi;
           panel_bias(p, bias_lo, bias_hi);
           for (int64_t r = 0; r < chunk; ++r) {
-            const float* o = out + r * PANEL;
+            const float* o = sums + r * PANEL;
             const __m512 lo = _mm512_add_ps(_mm512_load_ps(o), bias_lo);
             const __m512 hi = _mm512_add_ps(_mm512_load_ps(o + 16), bias_hi);
             _mm512_storeu_si512(yp + (r0 + r) * n + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
           }
+        };
+        // Each panel's sums are rounded after the next panel's products (DEFERRED).
+        for (int64_t p = begin; p < end; ++p) {
+          amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out[p & 1]);
+          if (p > begin) finish(p - 1, out[(p - 1) & 1]);
         }
+        if (end > begin) finish(end - 1, out[(end - 1) & 1]);
       });
     });
     return y;
@@ -681,14 +699,15 @@ at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, cons
   const int64_t panel_elems = kblocks * 2 * 512;
   at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
     multispec_amx::Release release{true};
-    alignas(64) float gate[MAX_ROWS * PANEL];
-    alignas(64) float up[MAX_ROWS * PANEL];
+    alignas(64) float gates[2][MAX_ROWS * PANEL];
+    alignas(64) float ups[2][MAX_ROWS * PANEL];
     float gate_bias[PANEL] = {}, up_bias[PANEL] = {};
     for_row_passes(rows, [&](int64_t r0, int64_t chunk) {
       const uint16_t* xc = xp + r0 * k;
-      for (int64_t p = begin; p < end; ++p) {
-        amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gate);
-        amx_panel(chunk, xc, k, wp + (p + half) * panel_elems, kblocks, up);
+      // Panel pair p's activation, after the next pair's products (DEFERRED).
+      auto finish = [&](int64_t p) {
+        const float* gate = gates[p & 1];
+        const float* up = ups[p & 1];
         if (bp != nullptr)
           for (int64_t c = 0; c < PANEL; ++c) {
             gate_bias[c] = widen(bp[p * PANEL + c]);
@@ -702,7 +721,13 @@ at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, cons
             o[c] = multispec_kernels::narrow_to<c10::BFloat16>(multispec_kernels::silu_times<c10::BFloat16>(
                 rounded<c10::BFloat16>(g[c] + gate_bias[c]), rounded<c10::BFloat16>(u[c] + up_bias[c])));
         }
+      };
+      for (int64_t p = begin; p < end; ++p) {
+        amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gates[p & 1]);
+        amx_panel(chunk, xc, k, wp + (p + half) * panel_elems, kblocks, ups[p & 1]);
+        if (p > begin) finish(p - 1);
       }
+      if (end > begin) finish(end - 1);
     });
   });
 #endif
