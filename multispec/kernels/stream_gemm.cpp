@@ -198,7 +198,8 @@ void configure_stream(int64_t rows) {
 // it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows keeps up
 // with memory on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
 // decode steps with and without it, alternating in one process, took 0.984x the time at 8 samples,
-// 0.973x at 12 and 0.952x at 16, against 0.997x at 6 and 1.02x at 4 (on a 2-core Xeon with AMX).
+// 0.973x at 12 and 0.952x at 16, against 0.997x at 6, 1.02x at 4 and 1.01x at 1 and 2 (on a 2-core
+// Xeon with AMX).
 constexpr int64_t AMX_PREFETCH = 16 * 1024;
 constexpr int64_t ASK_ROWS = 8;
 
