@@ -195,8 +195,8 @@ void configure_stream(int64_t rows) {
 // How far ahead (in elements) a pass of ASK_ROWS rows or more asks for its weight, into L2: sixteen
 // k blocks. From two row blocks on the tile products take about as long as reading their weights,
 // and without asking ahead the two ran one after the other: 17 to 48 rows 0.91-0.93x the time with
-// it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows keeps up
-// with memory on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
+// it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows does as
+// well on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
 // decode steps with and without it, alternating in one process, took 0.984x the time at 8 samples,
 // 0.973x at 12 and 0.952x at 16, against 0.997x at 6, 1.02x at 4 and 1.01x at 1 and 2 (on a 2-core
 // Xeon with AMX).
