@@ -303,6 +303,17 @@ inline void amx_panel(int64_t chunk, const uint16_t* x, int64_t x_stride, const 
   }
 }
 
+// compute(p, b) for panels begin .. end - 1 in order, into buffer b = p & 1, and finish(p, b) for
+// each after the next panel's compute (DEFERRED, above).
+template <typename Compute, typename Finish>
+inline void panels_deferred(int64_t begin, int64_t end, const Compute& compute, const Finish& finish) {
+  for (int64_t p = begin; p < end; ++p) {
+    compute(p, static_cast<int>(p & 1));
+    if (p > begin) finish(p - 1, static_cast<int>((p - 1) & 1));
+  }
+  if (end > begin) finish(end - 1, static_cast<int>((end - 1) & 1));
+}
+
 #endif
 
 
@@ -637,12 +648,9 @@ at::Tensor stream_linear_on(const at::Tensor& x, const at::Tensor& packed, const
             _mm512_storeu_si512(yp + (r0 + r) * n + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
           }
         };
-        // Each panel's sums are rounded after the next panel's products (DEFERRED).
-        for (int64_t p = begin; p < end; ++p) {
-          amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out[p & 1]);
-          if (p > begin) finish(p - 1, out[(p - 1) & 1]);
-        }
-        if (end > begin) finish(end - 1, out[(end - 1) & 1]);
+        panels_deferred(
+            begin, end, [&](int64_t p, int b) { amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, out[b]); },
+            [&](int64_t p, int b) { finish(p, out[b]); });
       });
     });
     return y;
@@ -705,10 +713,10 @@ at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, cons
     float gate_bias[PANEL] = {}, up_bias[PANEL] = {};
     for_row_passes(rows, [&](int64_t r0, int64_t chunk) {
       const uint16_t* xc = xp + r0 * k;
-      // Panel pair p's activation, after the next pair's products (DEFERRED).
-      auto finish = [&](int64_t p) {
-        const float* gate = gates[p & 1];
-        const float* up = ups[p & 1];
+      // Panel pair p's activation from buffer b, after the next pair's products (DEFERRED).
+      auto finish = [&](int64_t p, int b) {
+        const float* gate = gates[b];
+        const float* up = ups[b];
         if (bp != nullptr)
           for (int64_t c = 0; c < PANEL; ++c) {
             gate_bias[c] = widen(bp[p * PANEL + c]);
@@ -723,12 +731,13 @@ at::Tensor stream_gate_up_on(const at::Tensor& x, const at::Tensor& packed, cons
                 rounded<c10::BFloat16>(g[c] + gate_bias[c]), rounded<c10::BFloat16>(u[c] + up_bias[c])));
         }
       };
-      for (int64_t p = begin; p < end; ++p) {
-        amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gates[p & 1]);
-        amx_panel(chunk, xc, k, wp + (p + half) * panel_elems, kblocks, ups[p & 1]);
-        if (p > begin) finish(p - 1);
-      }
-      if (end > begin) finish(end - 1);
+      panels_deferred(
+          begin, end,
+          [&](int64_t p, int b) {
+            amx_panel(chunk, xc, k, wp + p * panel_elems, kblocks, gates[b]);
+            amx_panel(chunk, xc, k, wp + (p + half) * panel_elems, kblocks, ups[b]);
+          },
+          finish);
     });
   });
 #endif
