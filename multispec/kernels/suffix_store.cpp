@@ -115,7 +115,6 @@ struct Index {
 struct Group {
   std::vector<Text> texts;
   std::vector<Index> indexes;
-  int live = 0;
 };
 
 struct Sample {
@@ -257,7 +256,6 @@ class SuffixStore {
       }
       group->indexes[index].add(group->texts, text, static_cast<int64_t>(prompt.size()));
       samples_[id] = Sample{group, text, index};
-      group->live += 1;
     }
   }
 
@@ -309,7 +307,6 @@ class SuffixStore {
   void remove(int64_t sample_id) {
     auto found = samples_.find(sample_id);
     if (found == samples_.end()) return;
-    found->second.group->live -= 1;
     samples_.erase(found);  // the group goes with its last sample's shared_ptr
   }
 
