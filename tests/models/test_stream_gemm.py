@@ -30,7 +30,7 @@ DTYPE = kernels.stream_dtype() or torch.bfloat16
 TOL = 2 ** -7 if DTYPE == torch.bfloat16 else 2 ** -16
 
 SHAPES = [(64, 32), (960, 576), (96, 1536), (49152 // 16, 576)]
-ROWS = [1, 4, 5, 6, 7, 11, 12, 13, 15, 16, 17, 24, 25, 32, 47, 48, 49, 100]  # blocks: tiles 16, 48; vectors 12; AVX2 6
+ROWS = [1, 4, 5, 6, 7, 8, 11, 12, 13, 15, 16, 17, 24, 25, 32, 47, 48, 49, 100]  # blocks: tiles 16, 48; vectors 12; AVX2 6
 
 
 def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -124,7 +124,8 @@ def test_vector_path_under_amx_off_agrees_with_exact_arithmetic(monkeypatch):
 def test_fused_gate_up_equals_the_product_then_the_activation(with_bias):
     """``stream_gate_up`` takes each gate panel with its up panel and activates them in cache; it
     must give exactly what ``stream_linear`` followed by the layer stack's ``silu_mul`` gives, bit
-    for bit, at every row count (one to three tile row blocks, and more than one pass of 48 rows).
+    for bit, at every row count (one to three tile row blocks, and more than one pass of 48 rows;
+    from 8 rows on each panel is activated a row at a time during the next panel's product).
     Gate values span -40 .. 40, so the activation's vanishing, negative and linear ranges all
     occur; pairing gate panel p with any up panel but p + I / 32, or skipping a bias, changes
     nearly every output."""
@@ -132,7 +133,7 @@ def test_fused_gate_up_equals_the_product_then_the_activation(with_bias):
     weight = (torch.randn(2 * 1536, 576, generator=gen) * 0.05).to(DTYPE)
     bias = (torch.randn(2 * 1536, generator=gen) * 0.5).to(DTYPE) if with_bias else None
     packed = torch.ops.multispec.stream_pack(weight)
-    for rows in (1, 3, 16, 17, 32, 33, 48, 49, 100):
+    for rows in (1, 3, 7, 8, 16, 17, 32, 33, 48, 49, 100):
         x = (torch.randn(rows, 576, generator=gen) * torch.linspace(0.1, 30, rows)[:, None]).to(DTYPE)
         want = torch.ops.multispec.silu_mul(torch.ops.multispec.stream_linear(x, packed, bias))
         got = torch.ops.multispec.stream_gate_up(x, packed, bias)
