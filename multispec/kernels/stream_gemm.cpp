@@ -193,15 +193,15 @@ void configure_stream(int64_t rows) {
 }
 
 // How far ahead (in elements) a pass of ASK_ROWS rows or more asks for its weight, into L2: four
-// k blocks (8 KiB). From two row blocks on the tile products take about as long as reading their weights,
-// and without asking ahead the two ran one after the other: 17 to 48 rows 0.91-0.93x the time with
-// it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows does as
-// well on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
-// decode steps with and without it, alternating in one process, took 0.984x the time at 8 samples,
-// 0.973x at 12 and 0.952x at 16, against 0.997x at 6, 1.02x at 4 and 1.01x at 1 and 2 (on a 2-core
-// Xeon with AMX). Asking 8 KiB ahead rather than 32 took 0.975x the step time at 8 samples, 0.994x
-// at 16, 0.993x at 32, 0.979x at 48 and 0.996x at 128 (in one process); 6 to 20 KiB were within 1%
-// of it.
+// k blocks (8 KiB). From two row blocks on the tile products take about as long as reading their
+// weights, and without asking ahead the two ran one after the other: 17 to 48 rows 0.91-0.93x the
+// time with it (``experiments/stream_builds.py`` on a 2-core Xeon with AMX). A pass of a few rows
+// does as well on the hardware prefetcher alone, but from 8 rows on asking ahead pays too: whole
+// decode steps with and without it, alternating in one process, took 0.984x the time at 8
+// samples, 0.973x at 12 and 0.952x at 16, against 0.997x at 6, 1.02x at 4 and 1.01x at 1 and 2 (on
+// a 2-core Xeon with AMX). Asking 8 KiB ahead rather than 32 took 0.975x the step time at 8
+// samples, 0.994x at 16, 0.993x at 32, 0.979x at 48 and 0.996x at 128 (in one process); 6 to 20
+// KiB were within 1% of it.
 constexpr int64_t AMX_PREFETCH = 4 * 1024;
 constexpr int64_t ASK_ROWS = 8;
 
