@@ -62,9 +62,9 @@ using multispec_kernels::exp_nonpositive;
 // ``paired``: the next item's key and value lines are asked for together (line i of each at once),
 // half of them over this item's key blocks and the rest over its value rows, so that its values
 // are on their way as early as its keys. Asked for only while this item's values were added, they
-// came too late: on AMX, pairing took the operator 0.87-0.91x the time with the caches in memory
-// (16 and 64 plain samples, 16 samples of 3 draft nodes, 128 tokens each, 6 MiB read between
-// layers), 0.96-0.98x with them in L3, and a plain decode step 0.98x at 16 samples in flight and
+// came too late: on AMX, pairing took the operator 0.91-0.94x the time with the caches in memory
+// (16 and 64 plain samples, 16 samples of 2 and 6 draft tokens, 128 keys each;
+// experiments/attention_builds.py --cold) and a plain decode step 0.98x at 16 samples in flight,
 // 0.96x at 32 to 128 (one process, alternating).
 struct Ahead {
   const char* keys = nullptr;
