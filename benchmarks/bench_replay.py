@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -37,9 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDED_ALTERNATIVES = 8
 
 
-def record(questions: int, n: int, temperature: float, max_tokens: int, seed: int) -> list[dict]:
+def record(questions: int, n: int, temperature: float, max_tokens: int, seed: int, llm=None) -> list[dict]:
     """Plain samples with their target probabilities and most likely tokens:
-    [{prompt, samples: [{tokens, probs, alternatives: [[tokens, probs], ...]}]}]."""
+    [{prompt, samples: [{tokens, probs, alternatives: [[tokens, probs], ...]}]}]. ``llm``: the
+    default model in float32 unless given."""
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.drafters import DRAFTERS, NoDrafter
     from multispec.reasoning import load_gsm8k
@@ -66,10 +68,14 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
 
     DRAFTERS["recorder"] = Recorder
     try:
-        llm = LLM(dtype="float32")  # the recordings the tables were made from
+        if llm is None:
+            llm = LLM(dtype="float32")  # the recordings the tables were made from
         conversations = [p.chat() for p in load_gsm8k(limit=questions)]
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
-        llm.chat(conversations, params, SpecConfig(drafter="recorder"), use_tqdm=False)
+        # adaptive=False: a drafter whose budget keeps nothing for a few steps is no longer given
+        # the target's likeliest tokens (see ``Lane.wants_alternatives``), and a recording must
+        # hold them at every position.
+        llm.chat(conversations, params, SpecConfig(drafter="recorder", adaptive=False), use_tqdm=False)
     finally:
         del DRAFTERS["recorder"]
     return [groups[k] for k in sorted(groups)]
@@ -78,7 +84,8 @@ def record(questions: int, n: int, temperature: float, max_tokens: int, seed: in
 def recording(questions: int, n: int, temperature: float, max_tokens: int, seed: int,
               cache: Path = ROOT / "results" / "replay") -> list[dict]:
     """``record``'s groups, from ``cache`` where an earlier run left them."""
-    name = f"q{questions}_n{n}_T{temperature}_t{max_tokens}_s{seed}_a{RECORDED_ALTERNATIVES}"
+    # "_v2": recordings before it held the likeliest tokens for each sample's first steps only.
+    name = f"q{questions}_n{n}_T{temperature}_t{max_tokens}_s{seed}_a{RECORDED_ALTERNATIVES}_v2"
     path = cache / f"{name}.json"
     if not path.exists():
         print(f"recording {path.name} (plain sampling)...", file=sys.stderr)
@@ -139,12 +146,14 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
     """What the sources offer for the next token, replaying consensus drafts (shares of steps): no
     source continues the sample's last tokens; the next token is among the first tokens offered
     (the tokens the sources took, then also their alternatives); the draft's first token is the
-    next token; and the mean target probability of the token sampled (a floor for how often the
-    target's own most likely token would be right)."""
+    next token; the mean target probability of the token sampled (a floor for how often the
+    target's own most likely token would be right); and the mean probability of the target's most
+    likely token (how often a one-token draft that always guessed it would be accepted: the ceiling
+    of any deterministic one-token draft)."""
     from multispec.drafters.lookup import find_continuations
 
     counts = {"no source": 0.0, "next token offered": 0.0, "offered with alternatives": 0.0,
-              "first draft token right": 0.0, "p(sampled)": 0.0}
+              "first draft token right": 0.0, "p(sampled)": 0.0, "p(likeliest)": 0.0}
 
     def inspect(drafter, live, trees, texts, done):
         for i, tree in zip(live, trees):
@@ -158,8 +167,19 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
                 for c in continuations)
             counts["first draft token right"] += bool(tree.tokens) and tree.tokens[0] == following
             counts["p(sampled)"] += texts[i]["probs"][done[i]]
+            likeliest = texts[i]["alternatives"][done[i]]
+            counts["p(likeliest)"] += likeliest[1][0] if likeliest else texts[i]["probs"][done[i]]
 
-    steps = replay(groups, "consensus", depth, nodes, inspect=inspect)["steps"]
+    # The sources are read from the Python path's state (the compiled store keeps its own).
+    saved = os.environ.get("MULTISPEC_KERNELS")
+    os.environ["MULTISPEC_KERNELS"] = "0"
+    try:
+        steps = replay(groups, "consensus", depth, nodes, inspect=inspect)["steps"]
+    finally:
+        if saved is None:
+            del os.environ["MULTISPEC_KERNELS"]
+        else:
+            os.environ["MULTISPEC_KERNELS"] = saved
     return {key: value / steps for key, value in counts.items()}
 
 
