@@ -25,6 +25,45 @@ from multispec.reasoning import load_gsm8k
 from multispec.training import TrainConfig, _reference_answers, agreement, frequent_tokens, teacher_forced, train_head
 
 
+def forced_slices(llm, first: int, counts: list[int], cache: Path | None = None) -> list:
+    """Teacher-forced reference solutions of consecutive slices of the GSM8K train questions from
+    ``first`` on, ``counts[i]`` questions each (one ``Sequences`` a slice), kept in ``cache`` where
+    given (a rerun reuses it)."""
+    if cache is not None and cache.is_file():
+        return torch.load(cache, weights_only=False)
+    problems = load_gsm8k(limit=first + sum(counts), split="train")[first:]
+    sequences = _reference_answers(llm, problems)
+    start = time.perf_counter()
+    slices, at = [], 0
+    for count in counts:
+        slices.append(teacher_forced(llm, sequences[at:at + count]))
+        at += count
+    print(f"teacher forcing: {time.perf_counter() - start:.0f}s, "
+          f"{' + '.join(str(s.tokens.numel()) for s in slices)} positions", flush=True)
+    if cache is not None:
+        torch.save(slices, cache)
+    return slices
+
+
+def train_fresh(llm, train, held, config: TrainConfig) -> tuple[float, list[dict]]:
+    """A new head (``config``'s window and seed, the training data's frequent tokens) trained on
+    ``train``: its training seconds and its held-out figures per draft depth."""
+    vocab = frequent_tokens(train, config.num_tokens, llm.config.vocab_size)
+    torch.manual_seed(config.seed)
+    head = DraftHead(HeadConfig.for_target(llm.config, vocab.numel(), config.intermediate_size,
+                                           context=config.context))
+    head.vocab_ids.copy_(vocab)
+    head.attach(llm.model)
+    head.output, head.embedding = head.output.float(), head.embedding.float()
+    start = time.perf_counter()
+    train_head(head, train, config, log=lambda line: None)
+    return time.perf_counter() - start, agreement(head, held, config.unroll)
+
+
+def figures_line(figures: list[dict]) -> str:
+    return " ".join(f"{f['agree']:.3f}" for f in figures) + " " + " ".join(f"{f['accept']:.3f}" for f in figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1,8", help="windows to compare (1: the root alone)")
@@ -37,35 +76,12 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM()
-    cache = Path(args.data) if args.data else None
-    if cache is not None and cache.is_file():
-        train, held = torch.load(cache, weights_only=False)
-    else:
-        problems = load_gsm8k(limit=args.first + args.train + args.held, split="train")[args.first:]
-        sequences = _reference_answers(llm, problems)
-        start = time.perf_counter()
-        train, held = teacher_forced(llm, sequences[:args.train]), teacher_forced(llm, sequences[args.train:])
-        print(f"teacher forcing: {time.perf_counter() - start:.0f}s, {train.tokens.numel()} training positions, "
-              f"{held.tokens.numel()} held out", flush=True)
-        if cache is not None:
-            torch.save((train, held), cache)
-    vocab = frequent_tokens(train, TrainConfig.num_tokens, llm.config.vocab_size)
+    train, held = forced_slices(llm, args.first, [args.train, args.held], Path(args.data) if args.data else None)
     print("seed context train_s top-1(depth 1,2,3) acceptance-at-T1(depth 1,2,3)")
     for seed in (int(s) for s in args.seeds.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            config = TrainConfig(epochs=args.epochs, context=context, seed=seed)
-            torch.manual_seed(seed)
-            head = DraftHead(HeadConfig.for_target(llm.config, vocab.numel(), config.intermediate_size,
-                                                   context=context))
-            head.vocab_ids.copy_(vocab)
-            head.attach(llm.model)
-            head.output, head.embedding = head.output.float(), head.embedding.float()
-            start = time.perf_counter()
-            train_head(head, train, config, log=lambda line: None)
-            seconds = time.perf_counter() - start
-            figures = agreement(head, held, config.unroll)
-            print(seed, context, f"{seconds:.0f}", " ".join(f"{f['agree']:.3f}" for f in figures),
-                  " ".join(f"{f['accept']:.3f}" for f in figures), flush=True)
+            seconds, figures = train_fresh(llm, train, held, TrainConfig(epochs=args.epochs, context=context, seed=seed))
+            print(seed, context, f"{seconds:.0f}", figures_line(figures), flush=True)
 
 
 if __name__ == "__main__":
