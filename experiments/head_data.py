@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="keep the teacher-forced data in this file (a rerun reuses it)")
+    parser.add_argument("--save", help="write the head of the largest size to this file (no decision model: "
+                                       "it drafts to full depth), for bench_draft_model.py --draft-head")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
@@ -48,8 +50,10 @@ def main() -> None:
     for size in sizes:
         train = first_answers(pool, size)
         config = TrainConfig(epochs=args.epochs, context=args.context, seed=args.seed)
-        seconds, figures = train_fresh(llm, train, held, config)
+        head, seconds, figures = train_fresh(llm, train, held, config)
         print(size, train.tokens.numel(), f"{seconds:.0f}", figures_line(figures), flush=True)
+    if args.save:
+        head.save(args.save)
 
 
 if __name__ == "__main__":

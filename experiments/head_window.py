@@ -45,9 +45,9 @@ def forced_slices(llm, first: int, counts: list[int], cache: Path | None = None)
     return slices
 
 
-def train_fresh(llm, train, held, config: TrainConfig) -> tuple[float, list[dict]]:
+def train_fresh(llm, train, held, config: TrainConfig) -> tuple[DraftHead, float, list[dict]]:
     """A new head (``config``'s window and seed, the training data's frequent tokens) trained on
-    ``train``: its training seconds and its held-out figures per draft depth."""
+    ``train``: the head, its training seconds and its held-out figures per draft depth."""
     vocab = frequent_tokens(train, config.num_tokens, llm.config.vocab_size)
     torch.manual_seed(config.seed)
     head = DraftHead(HeadConfig.for_target(llm.config, vocab.numel(), config.intermediate_size,
@@ -57,7 +57,7 @@ def train_fresh(llm, train, held, config: TrainConfig) -> tuple[float, list[dict
     head.output, head.embedding = head.output.float(), head.embedding.float()
     start = time.perf_counter()
     train_head(head, train, config, log=lambda line: None)
-    return time.perf_counter() - start, agreement(head, held, config.unroll)
+    return head, time.perf_counter() - start, agreement(head, held, config.unroll)
 
 
 def figures_line(figures: list[dict]) -> str:
@@ -80,7 +80,8 @@ def main() -> None:
     print("seed context train_s top-1(depth 1,2,3) acceptance-at-T1(depth 1,2,3)")
     for seed in (int(s) for s in args.seeds.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            seconds, figures = train_fresh(llm, train, held, TrainConfig(epochs=args.epochs, context=context, seed=seed))
+            config = TrainConfig(epochs=args.epochs, context=context, seed=seed)
+            _, seconds, figures = train_fresh(llm, train, held, config)
             print(seed, context, f"{seconds:.0f}", figures_line(figures), flush=True)
 
 
