@@ -1,7 +1,7 @@
 """Does the draft head gain from reading a window of the text before its root?
 
-The shipped head reads only the target's feature at the root (``HeadConfig.context`` 1). A head
-with a window attends to the last C pairs (the target's feature at a position, the token written
+A head of ``HeadConfig.context`` 1 reads only the target's feature at the root (the first shipped
+head did; the one shipped now reads 8). A head with a window attends to the last C pairs (the target's feature at a position, the token written
 after it), at the cost of C - 1 more rows through its first projection and q/k/v per draft step.
 This trains heads with each window on the same teacher-forced data (reference solutions of GSM8K
 train questions the shipped recipe does not use, so no sampling is needed), with the same
