@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,15 +172,8 @@ def coverage(groups: list[dict], depth: int = 4, nodes: int = 4) -> dict:
             counts["p(likeliest)"] += likeliest[1][0] if likeliest else texts[i]["probs"][done[i]]
 
     # The sources are read from the Python path's state (the compiled store keeps its own).
-    saved = os.environ.get("MULTISPEC_KERNELS")
-    os.environ["MULTISPEC_KERNELS"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"MULTISPEC_KERNELS": "0"}):
         steps = replay(groups, "consensus", depth, nodes, inspect=inspect)["steps"]
-    finally:
-        if saved is None:
-            del os.environ["MULTISPEC_KERNELS"]
-        else:
-            os.environ["MULTISPEC_KERNELS"] = saved
     return {key: value / steps for key, value in counts.items()}
 
 

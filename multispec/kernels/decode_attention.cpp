@@ -81,6 +81,14 @@ struct Ahead {
     for (int i = 0; i < value_lines && value_done < bytes; ++i, value_done += 64)
       __builtin_prefetch(values + value_done, 0, 2);
   }
+  // Paired asking for ``lines`` lines of each, half of them over ``key_steps`` calls of
+  // ``next_keys`` and the rest over ``value_steps`` calls of ``next_values``.
+  inline void pair(int64_t lines, int64_t key_steps, int64_t value_steps) {
+    paired = true;
+    key_lines = static_cast<int>((lines + 2 * key_steps - 1) / (2 * key_steps));
+    const int64_t rest = lines - key_lines * key_steps;
+    value_lines = static_cast<int>(std::max<int64_t>(1, (rest + value_steps - 1) / value_steps));
+  }
   // ``lines`` more lines of both (paired: ``key_done`` counts both).
   inline void next_pairs(int lines) {
     for (int i = 0; i < lines && key_done < bytes; ++i, key_done += 64) {
@@ -579,12 +587,7 @@ void run(const multispec::AttentionCall& call) {
           const int64_t base = offsets[b];
           if (ahead != nullptr) {  // the next item's lines, paired: half over this one's first rows' key
                                    // blocks, the rest over their value chunks
-            const int64_t lines = (next_item.bytes + 63) / 64;
-            const int64_t key_blocks = (own_len + 15) / 16, value_chunks = (own_len + 31) / 32;
-            next_item.paired = true;
-            next_item.key_lines = static_cast<int>((lines + 2 * key_blocks - 1) / (2 * key_blocks));
-            next_item.value_lines = static_cast<int>(
-                std::max<int64_t>(1, (lines - next_item.key_lines * key_blocks + value_chunks - 1) / value_chunks));
+            next_item.pair((next_item.bytes + 63) / 64, (own_len + 15) / 16, (own_len + 31) / 32);
           }
           multispec_amx::attend(
               rows, [&](int64_t i) { return qp + (base + i / group) * qs0 + (h * group + i % group) * qs1; },
@@ -632,11 +635,7 @@ void run(const multispec::AttentionCall& call) {
         if (amx && count == 1 && rows <= 16) {  // a plain sample: scores on tiles (a few % faster)
           const int64_t base = offsets[b];
           if (ahead != nullptr) {  // the next item's lines, paired: half over the key blocks, half over the values
-            const int64_t lines = (next_item.bytes + 63) / 64, blocks = (own_len + 15) / 16;
-            next_item.paired = true;
-            next_item.key_lines = static_cast<int>((lines + 2 * blocks - 1) / (2 * blocks));
-            next_item.value_lines = static_cast<int>(
-                std::max<int64_t>(1, (lines - next_item.key_lines * blocks + own_len - 1) / own_len));
+            next_item.pair((next_item.bytes + 63) / 64, (own_len + 15) / 16, own_len);
           }
           multispec_amx::score_rows(
               rows, [&](int64_t i) { return qp + base * qs0 + (h * group + i) * qs1; }, ok, os2, own_len, fscale,
