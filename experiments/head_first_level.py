@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from multispec.drafters import DRAFTERS, DraftTree  # noqa: E402
 from multispec.drafters.model import ModelDrafter  # noqa: E402
+from multispec.verify.support import dense_rows  # noqa: E402
 
 NAME = "model-head-first"
 
@@ -124,7 +125,7 @@ def record_root_laws(verify, lanes: dict):
             p = torch.softmax(logits[row].float() / temperature, -1)
             child = node + 1  # a chain: node j's child is j + 1
             if tree.tokens and child < len(tree.tokens) and tree.q is not None:
-                q = tree.q[child].float()
+                q = dense_rows(tree.q, [child])[0].float()
                 residual = (p - q).clamp_min(0)
                 law = float(residual[result.bonus]) / max(float(residual.sum()), 1e-30)
             else:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from multispec.models.draft_head import DraftHead, HeadConfig, decision_stats
 from multispec.models.registry import paired_draft_head
+from multispec.verify.support import dense_rows
 
 
 @dataclass
@@ -275,8 +276,8 @@ def decision_logs(llm, head_path: Path, problems, depth: int, max_tokens: int, s
             for node, child in children.items():
                 if node not in accepted:
                     continue
-                child_q = tree.q[child][vocab]
-                node_prob = tree.q[node][tree.tokens[node]]
+                child_q = dense_rows(tree.q, [child])[0][vocab]
+                node_prob = dense_rows(tree.q, [node])[0][tree.tokens[node]]
                 xs.append(decision_stats(torch.tensor([depths[node]]), node_prob[None], child_q[None].float())[0])
                 ys.append(float(child in accepted))
 

@@ -8,6 +8,7 @@ from typing import ClassVar, Protocol, Sequence
 import torch
 
 from multispec.verify.schemes import DraftLaw
+from multispec.verify.support import SupportQ, select_rows
 
 
 @dataclass
@@ -18,7 +19,9 @@ class DraftTree:
     always come before their children, so one pass in order can compute depths or masks.
     ``q[i]`` is the distribution node i's token was drawn from given its parent; siblings drawn
     i.i.d. from one distribution share equal rows. ``q`` is None for deterministic drafts, which
-    the verifier checks by sampling from the target and matching children.
+    the verifier checks by sampling from the target and matching children. It is a ``[M, V]``
+    tensor, or a ``multispec.verify.support.SupportQ`` (the same rows kept over a drafter's own
+    vocabulary: the draft head's); ``dense_rows(tree.q)`` gives the dense form of either.
 
     Deterministic drafts may say how much they trust each node: ``confidence[i]`` is the
     drafter's estimate of the target's probability of node i's token given its parent's path
@@ -34,7 +37,7 @@ class DraftTree:
 
     tokens: list[int]
     parents: list[int]
-    q: torch.Tensor | None
+    q: torch.Tensor | SupportQ | None
     confidence: list[float] | None = field(default=None, compare=False)
     evidence: list[int] | None = field(default=None, compare=False)
     drawn: list[bool] | None = None
@@ -75,9 +78,10 @@ class DraftTree:
         if self.drawn is not None:
             rows = self.q_rows()
             drawn = [self.drawn[i] for i in keep]
-            q = None if self.q is None or not any(drawn) else self.q[[rows[i] for i in keep if rows[i] >= 0]]
+            q = None if self.q is None or not any(drawn) else select_rows(self.q, [rows[i] for i in keep
+                                                                                  if rows[i] >= 0])
         elif q is not None:
-            q = q[keep]
+            q = select_rows(q, keep)
         return DraftTree([self.tokens[i] for i in keep],
                          [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep], q,
                          None if self.confidence is None else [self.confidence[i] for i in keep],

@@ -28,6 +28,7 @@ from multispec.drafters.base import DraftTree
 from multispec.models.draft_head import DraftHead, PathAttention, decision_stats
 from multispec.models.draft_lm import DraftLM
 from multispec.verify.schemes import IID, WITHOUT_REPLACEMENT, DraftLaw
+from multispec.verify.support import SupportQ
 
 IID_SCHEMES = frozenset({"specinfer", "spectr", "canonical_lp", "canonical_wis"})
 """Schemes exact only for siblings drawn i.i.d. (SpecInfer also takes independent draws): with
@@ -47,6 +48,8 @@ class ModelDrafter:
     wants_features = True
     _edges: torch.Tensor | None = None
     """``CONFIDENCE_EDGES`` as a tensor, made by the first ``limit``."""
+    _columns: torch.Tensor | None = None
+    """Each target token's column of q (-1: not drafted), built by the first sampled tree."""
     chances: torch.Tensor | None = None
     floor = 0.0
 
@@ -174,18 +177,26 @@ class ModelDrafter:
         # Depth 1: W candidates per sample from the root's q.
         wmax = max(width)
         picked = self._draw_children(probs, wmax, None if u is None else u[:, :wmax])
-        valid = torch.arange(wmax, device=device)[None, :] < torch.tensor(width, device=device)[:, None]
-        # Per node (flattened rows of this depth): its sample, local index, q row (of K), token index.
-        node_sample = torch.arange(count, device=device)[:, None].expand(count, wmax)[valid]
-        node_pick = picked[valid]
-        node_prob = probs.gather(1, picked)[valid]
-        levels = [(node_sample, node_pick, probs[node_sample], None)]  # q rows: the distribution drawn from
-        chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
+        node_prob = probs.gather(1, picked)
+        if wmax == 1:
+            node_sample, node_pick, node_prob = torch.arange(count, device=device), picked[:, 0], node_prob[:, 0]
+            chain = torch.zeros(count, dtype=torch.long, device=device)
+        else:
+            valid = torch.arange(wmax, device=device)[None, :] < torch.tensor(width, device=device)[:, None]
+            node_sample = torch.arange(count, device=device)[:, None].expand(count, wmax)[valid]
+            node_pick, node_prob = picked[valid], node_prob[valid]
+            chain = torch.nonzero(valid)[:, 1]  # which candidate chain each node belongs to
+        # Per level (the nodes of one depth, flattened): each node's sample, token index (of K),
+        # probability under its q, its q's row in ``sources`` (the root's q rows, then each
+        # depth's child rows, one after another) and its parent's index in the level before.
+        sources = [probs]
+        levels = [(node_sample, node_pick, node_prob, node_sample, None)]
         depth_of = torch.tensor(depth, device=device)
         pruned = self.floor > 0 and self.chances is not None
         chance = self._chance(node_prob) if pruned else None
         # The row of the previous forward (of the root, then of each depth) each frontier node continues.
         parent_rows = node_sample
+        offset = count
         d = 1
         while True:
             growing = depth_of[node_sample] > d
@@ -197,24 +208,28 @@ class ModelDrafter:
             # The draft's state at each growing node gives its child's distribution.
             child_probs = self._child_probs(parent_rows[grow], node_sample[grow], node_pick[grow], d)
             self.model_forwards += 1
-            keep = torch.arange(grow.numel(), device=device)
             if self.threshold > 0:
                 score = self._decide(d, node_prob[grow], child_probs)
                 keep = torch.nonzero(score >= self.threshold)[:, 0]
                 if keep.numel() == 0:
                     break
-            rows = grow[keep]
+                rows, kept = grow[keep], child_probs[keep]
+            else:
+                keep = torch.arange(grow.numel(), device=device)
+                rows, kept = grow, child_probs
             column = self.width * d + chain[rows]
             draw = None if u is None else u[node_sample[rows], column][:, None]
-            child = self._draw_children(child_probs[keep], 1, draw)[:, 0]
-            levels.append((node_sample[rows], child, child_probs[keep], rows))
+            child = self._draw_children(kept, 1, draw)[:, 0]
             node_sample, chain, node_pick = node_sample[rows], chain[rows], child
-            node_prob = child_probs[keep].gather(1, child[:, None])[:, 0]
+            node_prob = kept.gather(1, child[:, None])[:, 0]
+            levels.append((node_sample, child, node_prob, offset + keep, rows))
+            sources.append(child_probs)
+            offset += child_probs.shape[0]
             if pruned:
                 chance = chance[rows] * self._chance(node_prob)
             parent_rows = keep
             d += 1
-        return self._trees(count, levels, greedy)
+        return self._trees(count, levels, sources, greedy)
 
     def _decide(self, depth: int, node_prob: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
         """Predicted chance that each growing node's child is accepted given the node is: the
@@ -263,7 +278,7 @@ class ModelDrafter:
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
             return torch.softmax(logits, -1)
-        return torch.softmax(logits / self.temperature, -1)
+        return torch.softmax(logits.div_(self.temperature), -1)  # the head's fresh logits, scaled in place
 
     def _draw_children(self, probs: torch.Tensor, k: int, u: torch.Tensor | None) -> torch.Tensor:
         """``k`` draws per row of ``probs [N, K]`` (indexes into the head's vocabulary): one after
@@ -271,26 +286,31 @@ class ModelDrafter:
         CDF at the row's uniform; the top k where there are no uniforms (temperature 0)."""
         if u is None:
             return probs.topk(k, dim=-1).indices
-        remaining = probs.clone()
+        remaining = probs
         out = []
         for j in range(k):
             cdf = remaining.cumsum(-1)
             target = (u[:, j] * cdf[:, -1]).unsqueeze(-1)
             index = torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1)
             # A uniform at the very top may land past the last token with mass: step back to it.
-            index = torch.where(remaining.gather(1, index) > 0, index, remaining.argmax(-1, keepdim=True))
+            found = remaining.gather(1, index) > 0
+            if not bool(found.all()):
+                index = torch.where(found, index, remaining.argmax(-1, keepdim=True))
             out.append(index)
-            if not self.replacement:
+            if j + 1 < k and not self.replacement:
+                remaining = remaining.clone() if remaining is probs else remaining
                 remaining.scatter_(1, index, 0.0)
-        return torch.cat(out, 1)
+        return out[0] if k == 1 else torch.cat(out, 1)
 
-    def _trees(self, count: int, levels, greedy: bool) -> list[DraftTree]:
-        """Assemble per-sample trees (depth by depth, so parents come first) with full-vocabulary q rows."""
+    def _trees(self, count: int, levels, sources: list[torch.Tensor], greedy: bool) -> list[DraftTree]:
+        """Assemble per-sample trees (depth by depth, so parents come first). Each tree's q rows
+        are gathered once, in node order, into one tensor over the head's vocabulary (a
+        ``SupportQ``: no row of the target's full vocabulary is written here)."""
         vocab_ids = self.vocab_ids
-        samples, tokens, rows_q, parents = [], [], [], []
+        samples, tokens, parents = [], [], []
         level_local = []  # per level: each node's local index within its sample's tree
         counts = [0] * count
-        for sample, pick, q, parent_of in levels:
+        for sample, pick, _, _, parent_of in levels:
             sample_list = sample.tolist()
             local = []
             for s in sample_list:
@@ -304,22 +324,22 @@ class ModelDrafter:
             level_local.append(local)
             samples.extend(sample_list)
             tokens.extend(vocab_ids[pick].tolist())
-            rows_q.append(q)
         per_sample_nodes: list[list[int]] = [[] for _ in range(count)]
         for n, s in enumerate(samples):
             per_sample_nodes[s].append(n)
         # Each node's q probability, the drafter's confidence in it (the hybrid's budget ranks by it).
-        picks = torch.cat([pick for _, pick, _, _ in levels])
-        confidence = torch.cat(rows_q).gather(1, picks[:, None])[:, 0].tolist()
+        confidence = torch.cat([prob for _, _, prob, _, _ in levels]).tolist()
         if not greedy:
-            q_small = torch.cat(rows_q)
-            order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=q_small.device)
-            q_full = torch.zeros(order.numel(), self.vocab_size, dtype=torch.float32, device=q_small.device)
-            q_full.index_copy_(1, vocab_ids, q_small[order])
-            q_split = q_full.split([len(n) for n in per_sample_nodes])
+            source = torch.cat([row for _, _, _, row, _ in levels])
+            order = torch.tensor([n for nodes in per_sample_nodes for n in nodes], device=source.device)
+            q_all = sources[0] if len(sources) == 1 else torch.cat(sources)
+            q_split = q_all[source[order]].split([len(n) for n in per_sample_nodes])
+            if self._columns is None:
+                self._columns = SupportQ.columns(vocab_ids, self.vocab_size)
+            columns = self._columns
         trees = []
         for s, nodes in enumerate(per_sample_nodes):
-            trees.append(DraftTree([tokens[n] for n in nodes], [parents[n] for n in nodes],
-                                   None if greedy else q_split[s], [confidence[n] for n in nodes], [0] * len(nodes)))
+            q = None if greedy else SupportQ(q_split[s], vocab_ids, self.vocab_size, columns)
+            trees.append(DraftTree([tokens[n] for n in nodes], [parents[n] for n in nodes], q,
+                                   [confidence[n] for n in nodes], [0] * len(nodes)))
         return trees
-

@@ -20,6 +20,7 @@ from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
 from multispec.verify.sampling import TOKEN, derive, keyed_uniforms, sample_rows
 from multispec.verify.tree import layout_of_trees, row_keys, walk_drawn
+from multispec.verify.support import SupportQ, concat_rows
 
 
 @dataclass
@@ -244,17 +245,17 @@ def _draw_copied(step: Step, logits: torch.Tensor, requests: list[Request], coun
     return results
 
 
-def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The q rows of a verification call's trees and, where some nodes carry none (copied nodes
-    beside drawn ones, or a tree of copied drafts among drawn ones), each node's row (-1: none).
-    (q, None) when every node carries one; (None, all -1) when none does (a step in which a
-    hybrid's head drew nothing: the schemes that read q then verify every node as copied)."""
+def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | SupportQ | None, torch.Tensor | None]:
+    """The q rows of a verification call's trees (a ``SupportQ`` where the drafter kept them over
+    its own vocabulary) and, where some nodes carry none (copied nodes beside drawn ones, or a tree
+    of copied drafts among drawn ones), each node's row (-1: none). (q, None) when every node
+    carries one; (None, all -1) when none does (a step in which a hybrid's head drew nothing: the
+    schemes that read q then verify every node as copied)."""
     drafted = [tree for tree in trees if tree.tokens]
     rows = [tree.q for tree in drafted if tree.q is not None]
     if not rows:
         return None, torch.full((sum(len(tree.tokens) for tree in drafted),), -1, dtype=torch.long, device=device)
-    q = _adjacent(rows)
-    q = (q if q is not None else torch.cat(rows)).to(device)
+    q = concat_rows(rows).to(device)
     if len(rows) == len(drafted) and all(tree.drawn is None for tree in drafted):
         return q, None
     index, base = [], 0
@@ -262,25 +263,6 @@ def packed_q(trees: list[DraftTree], device) -> tuple[torch.Tensor | None, torch
         index += [r + base if r >= 0 else -1 for r in tree.q_rows()]
         base += 0 if tree.q is None else tree.q.shape[0]
     return q, torch.tensor(index, dtype=torch.long, device=device)
-
-
-def _adjacent(rows: list[torch.Tensor]) -> torch.Tensor | None:
-    """The rows as one tensor without a copy where they lie one after another in one storage (a
-    drafter that fills all its trees' q rows at once and splits them): what ``torch.cat`` would
-    return, a view. None where they do not."""
-    first = rows[0]
-    if len(rows) == 1:
-        return first
-    if first.dim() != 2 or not all(r.is_contiguous() for r in rows):
-        return None
-    storage, size = first.untyped_storage().data_ptr(), first.element_size()
-    end = first.data_ptr() + first.numel() * size
-    for r in rows[1:]:
-        if (r.dtype != first.dtype or r.device != first.device or r.shape[1:] != first.shape[1:]
-                or r.untyped_storage().data_ptr() != storage or r.data_ptr() != end):
-            return None
-        end += r.numel() * size
-    return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), (first.shape[1], 1))
 
 
 def commit(step: Step, logits: torch.Tensor, results: list[Verified], cache: KVCache) -> list[int]:

@@ -31,6 +31,7 @@ from multispec.verify.canonical import DEFAULT_RANKED, DEFAULT_TOP_S
 from multispec.verify.recursive import check_copied_after_drawn
 from multispec.verify.sampling import PositionKeys, Uniforms, derive, keyed_uniforms
 from multispec.verify.schemes import SCHEMES, Scheme, resolve
+from multispec.verify.support import SupportQ, dense_rows, entries
 from multispec.verify.validation import check_distribution, check_integer
 
 
@@ -61,7 +62,7 @@ def verify_tree(
     node_tokens: torch.Tensor,
     node_parents: torch.Tensor,
     node_offsets: torch.Tensor,
-    q: torch.Tensor | None = None,
+    q: "torch.Tensor | SupportQ | None" = None,
     scheme: str = "auto",
     rng: PositionKeys | torch.Generator | None = None,
     *,
@@ -76,7 +77,8 @@ def verify_tree(
 
     p [B + M, V] target probabilities (temperature/top-k/top-p already applied); node_tokens [M],
     node_parents [M] (local parent index, -1 = root child, parents before children), node_offsets
-    [B + 1]; q [M, V] the distribution each node was drawn from, or None for deterministic drafts.
+    [B + 1]; q [M, V] the distribution each node was drawn from (dense, or a ``SupportQ``: rows kept
+    over the drafter's vocabulary), or None for deterministic drafts.
 
     Trees that mix drawn nodes with copied ones (the ``MIXED`` law): ``q_index`` [M] gives each
     node's row of q ([R, V], one row per drawn node), -1 for a copied node. Among the children of
@@ -294,8 +296,8 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
         row_t = torch.tensor(tested, device=device)
         token_t = torch.tensor([tokens[kid] for kid in kids], device=device)
         u = keyed_uniforms(derive(keys[tested], sampling.TEST, 0), p.dtype).to(device)
-        for row, ok in zip(tested, (u * q[torch.tensor([q_row[kid] for kid in kids], device=device), token_t]
-                                    < p[row_t, token_t]).tolist()):
+        q_of = entries(q, torch.tensor([q_row[kid] for kid in kids], device=device), token_t)
+        for row, ok in zip(tested, (u * q_of < p[row_t, token_t]).tolist()):
             accepted[row] = ok
     from_p = None
     if len(tokens) <= ALL_ROWS_AT_ONCE:
@@ -327,7 +329,7 @@ def _walk_chains(p: torch.Tensor, node_tokens: torch.Tensor, layout: TreeLayout,
             rows = [row for _, row in rejected]
             row_t = torch.tensor(rows, device=device)
             p_rej = p[row_t]
-            q_rej = q[torch.tensor([q_row[drawn_kid[row]] for row in rows], device=device)]
+            q_rej = dense_rows(q, torch.tensor([q_row[drawn_kid[row]] for row in rows], device=device))
             residual = normalise((p_rej - q_rej).clamp_min(0), p_rej)
             drawn = sampling.sample_rows(residual, Uniforms(len(rows), keys=keys[rows]), fallback=residual).tolist()
             drawn_at += [(b, row, y) for (b, row), y in zip(rejected, drawn)]
@@ -425,13 +427,13 @@ def _select_at_nodes(scheme: Scheme, p_rows: _Rows, kids, node_tokens, q, rng: U
         copied = (inner_kids >= 0) & (rows_of_q < 0)
         p_inner = p_rows.some(inner)
         # A row whose first child is copied has only copied ones: its q row is never read.
-        q_rows = q[rows_of_q[:, 0].clamp_min(0)] if q is not None else p_inner
+        q_rows = dense_rows(q, rows_of_q[:, 0].clamp_min(0)) if q is not None else p_inner
         chosen = scheme.select_mixed(p_inner, candidates[inner], q_rows, copied, rng.rows(inner))
         token[inner] = chosen.token
         no_index[inner] = chosen.index
     elif inner.numel():
         inner_kids = kids[inner]
-        q_rows = q[inner_kids[:, 0]] if scheme.shared_q else q[inner_kids.clamp_min(0)]
+        q_rows = dense_rows(q, inner_kids[:, 0] if scheme.shared_q else inner_kids.clamp_min(0))
         chosen = scheme.select(p_rows.some(inner), candidates[inner], q_rows, rng.rows(inner), top_s, ranked)
         token[inner] = chosen.token
         no_index[inner] = chosen.index
@@ -551,12 +553,24 @@ def _check_tree(p, node_tokens, node_parents, node_offsets, q, scheme, q_index=N
         if q_index.shape[0] != num_nodes or bool(((q_index < -1) | (q_index >= rows)).any()):
             raise ValueError(f"q_index must give each of the {num_nodes} nodes a row of q (< {rows}) or -1")
         if q is not None:
-            if q.dim() != 2 or q.shape[1] != vocab:
+            if len(q.shape) != 2 or q.shape[1] != vocab:
                 raise ValueError(f"q must be [R, V] with V = {vocab}, got shape {tuple(q.shape)}")
-            check_distribution("q", q)
+            _check_q(q)
     elif scheme.needs_q:
         if q is None:
             raise ValueError(f"scheme {scheme.name!r} needs q, the draft distributions of the nodes")
-        if q.shape != (num_nodes, vocab):
+        if tuple(q.shape) != (num_nodes, vocab):
             raise ValueError(f"q must be [M, V] = [{num_nodes}, {vocab}], got shape {tuple(q.shape)}")
+        _check_q(q)
+
+
+def _check_q(q) -> None:
+    if not isinstance(q, SupportQ):
         check_distribution("q", q)
+        return
+    check_integer("q.support", q.support, 1)
+    if q.support.numel() and bool(((q.support < 0) | (q.support >= q.vocab_size)).any()):
+        raise ValueError(f"q.support: token ids must lie in [0, {q.vocab_size})")
+    if q.support.unique().numel() != q.support.numel():
+        raise ValueError("q.support: token ids must be distinct")
+    check_distribution("q", q.values)

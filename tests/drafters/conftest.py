@@ -1,6 +1,7 @@
 import pytest
 
 from multispec.drafters import DraftTree
+from multispec.verify.support import dense_rows
 
 
 def _check_tree(tree: DraftTree, budget: int, max_depth: int, vocab_size: int) -> None:
@@ -12,10 +13,11 @@ def _check_tree(tree: DraftTree, budget: int, max_depth: int, vocab_size: int) -
     assert max(tree.depths(), default=0) <= max_depth
     assert all(0 <= t < vocab_size for t in tree.tokens)
     if tree.q is not None:
-        assert tree.q.shape == (len(tree.tokens), vocab_size)
-        assert tree.q.dtype.is_floating_point
-        assert ((tree.q.sum(1) - 1).abs() < 1e-5).all()
-        assert all(tree.q[i, t] > 0 for i, t in enumerate(tree.tokens))
+        assert tuple(tree.q.shape) == (len(tree.tokens), vocab_size)
+        q = dense_rows(tree.q)
+        assert q.dtype.is_floating_point
+        assert ((q.sum(1) - 1).abs() < 1e-5).all()
+        assert all(q[i, t] > 0 for i, t in enumerate(tree.tokens))
 
 
 @pytest.fixture

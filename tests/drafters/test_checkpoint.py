@@ -19,6 +19,7 @@ from scipy.stats import chi2, chisquare, ncx2
 import multispec.engine.step as step_module
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters.checkpoint import FIRST_CAPACITY, CheckpointDrafter
+from multispec.verify.support import dense_rows
 from tests.helpers import exact_cells, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_successor_model
 
@@ -57,7 +58,7 @@ class _Spy:
                 for j in range(count):
                     parent = int(parents[bounds[b] + j])
                     own = probs[row + (0 if parent < 0 else 1 + parent)]
-                    self.worst = max(self.worst, float((q[bounds[b] + j] - own).abs().max()))
+                    self.worst = max(self.worst, float((dense_rows(q, [bounds[b] + j])[0] - own).abs().max()))
                     self.nodes += 1
                 row += count + 1
             return verify_tree(probs, tokens, parents, offsets, q=q, **options)
