@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from multispec.drafters import DRAFTERS, DraftTree  # noqa: E402
 from multispec.drafters.model import ModelDrafter  # noqa: E402
-from multispec.verify.support import dense_rows  # noqa: E402
+from multispec.verify.support import SupportQ, dense_rows  # noqa: E402
 
 NAME = "model-head-first"
 
@@ -60,8 +60,7 @@ class HeadFirstDrafter(ModelDrafter):
         """Per sample, the probability of its newest token (the root) under the law it was drawn
         from (set by ``record_root_laws`` after each verification)."""
         self.coupling = np.random.default_rng(0)
-        self.column = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
-        self.column[self.vocab_ids] = torch.arange(self.vocab_ids.numel(), device=self.device)
+        self.column = SupportQ.columns(self.vocab_ids, self.vocab_size)
         self.offered = self.kept = 0
 
     def remove(self, sample_id: int) -> None:

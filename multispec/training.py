@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from multispec.models.draft_head import DraftHead, HeadConfig, decision_stats
 from multispec.models.registry import paired_draft_head
-from multispec.verify.support import dense_rows
+from multispec.verify.support import dense_rows, entries
 
 
 @dataclass
@@ -277,7 +277,7 @@ def decision_logs(llm, head_path: Path, problems, depth: int, max_tokens: int, s
                 if node not in accepted:
                     continue
                 child_q = dense_rows(tree.q, [child])[0][vocab]
-                node_prob = dense_rows(tree.q, [node])[0][tree.tokens[node]]
+                node_prob = entries(tree.q, torch.tensor([node]), torch.tensor([tree.tokens[node]]))[0]
                 xs.append(decision_stats(torch.tensor([depths[node]]), node_prob[None], child_q[None].float())[0])
                 ys.append(float(child in accepted))
 

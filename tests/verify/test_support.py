@@ -99,14 +99,9 @@ def _forest(rng, samples: int, wide: bool, mixed: bool):
                 p_rows.append(rng.dirichlet(np.ones(VOCAB)))
                 frontier.append((len(parents) - 1, len(p_rows) - 1))
         forest.append(parents)
-    # p rows in the packed order: each sample's root row, then its nodes' rows (node i's row is
-    # its own position's distribution, as the engine packs them).
-    order, at = [], 0
-    for parents in forest:
-        order.append(at)
-        order.extend(range(at + 1, at + 1 + len(parents)))
-        at += 1 + len(parents)
-    p = torch.tensor(np.array(p_rows)[order], dtype=torch.float32)
+    # p's rows were made in the packed order: each sample's root row, then one row per node (the
+    # distribution at the node's own position), as the engine packs them.
+    p = torch.tensor(np.array(p_rows), dtype=torch.float32)
     return (forest, p, torch.tensor(tokens, dtype=torch.long),
             torch.tensor(np.array(values), dtype=torch.float32).reshape(-1, SUPPORT.numel()),
             torch.tensor(q_index, dtype=torch.long))
