@@ -169,8 +169,9 @@ def cmd_gsm8k(args) -> int:
 def cmd_calibrate(args) -> int:
     """Measure the decode step costs the draft budget prices drafts with, and cache them."""
     llm = _llm(args)
-    print(llm.engine.step_costs(refresh=True).table())
-    return 0
+    costs = llm.engine.step_costs(refresh=True, even_if_busy=args.even_if_busy)
+    print(costs.table())
+    return 1 if costs.busy and not args.even_if_busy else 0  # the warning above says why
 
 
 def cmd_train_draft(args) -> int:
@@ -230,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure what a decode step of each shape costs here (the draft "
                                            "budget's prices, cached per machine and model) and print it")
     _add_model_args(cal)
+    cal.add_argument("--even-if-busy", action="store_true",
+                     help="cache the prices even where other work kept the machine busy while they were measured "
+                          "(they are then slower than the model's own steps; by default they are not cached and "
+                          "the command exits 1)")
     cal.set_defaults(func=cmd_calibrate)
 
     trn = sub.add_parser("train-draft", help="train a draft head for the model from its own answers to GSM8K "

@@ -18,7 +18,8 @@ decode path at chosen shapes, the cheapest of three passes over them (see ``meas
 small KV cache, synthetic prompts, a drafter that drafts fixed-length chains): about 20 seconds
 for the default model on a 2-core CPU. ``load_or_measure`` keeps the result in the cache
 directory, keyed by the machine (CPU or GPU model, threads), the model file, the dtype and the
-versions of torch and multispec, so it is measured once per machine and model.
+versions of torch and multispec, so it is measured once per machine and model; prices measured
+while other work kept the machine busy are used but not cached (see ``BUSY``).
 """
 
 from __future__ import annotations
@@ -45,12 +46,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("multispec")
 
-FORMAT = 8
+FORMAT = 9
 """Version of the measurement and its file; a change re-measures (2: steps got cheaper with
 prepacked weights, so prices measured before are stale; 3: the compiled CPU attention; 4: the
 compiled layer stack; 5: draft rows' attention on AMX tiles; 6: every prompt half on AMX tiles,
 sixteen rows of a prompt's samples at a time; 7: a point at 17 samples, see ``PLAIN_BATCHES``;
-8: a point at ``AFFINE_ROWS`` + 1)."""
+8: a point at ``AFFINE_ROWS`` + 1; 9: the file records how long the measurement waited for a
+core, and one that waited long is not cached, see ``BUSY``: tables cached before may have been
+measured on a busy machine)."""
+BUSY = 0.1
+"""A measurement whose threads waited for a core more than this share of the time they ran is not
+cached. Taking each shape's cheapest pass rids the prices of bursts, not of a machine that stays
+busy: with one other process spinning on a 2-core Zen 4 the threads waited 0.56 s a second of
+running, a plain step of 16 samples was priced 37.9 ms against 17.4 on the quiet machine and 32
+tokens 94 against 28 ms, and cached once, such a table made the draft budget draft almost nothing
+on every later run. Quiet, the same measurement waited 0.005 s a second of running."""
 WORK_UNIT = 1e4
 """Scale of the attention-work feature (query rows x keys)."""
 PLAIN_BATCHES = tuple(sorted({1, 2, 4, 8, 16, 17, 32, 64, 128, AFFINE_ROWS + 1}))
@@ -111,6 +121,9 @@ class StepCosts:
     per_work: float
     extra_batches: list[int]
     extra: list[float]
+    waited: float | None = None
+    """Seconds the measurement's threads waited for a core per second they ran (``core_wait``);
+    None where the system does not say."""
 
     def seconds(self, tokens: int, batch: int, qmax: int, context: int, drafting: int | None = None) -> float:
         """Expected seconds of a step of ``batch`` samples and ``tokens`` tokens whose deepest
@@ -185,8 +198,14 @@ class StepCosts:
         """The prices, for people: base per token count, extra per batch size, per-work price."""
         base = ", ".join(f"{t}: {1e3 * s:.1f}" for t, s in zip(self.base_tokens, self.base))
         extra = ", ".join(f"{b}: {1e3 * s:.1f}" for b, s in zip(self.extra_batches, self.extra))
+        waited = "" if self.waited is None else f"; waited for a core {100 * self.waited:.1f}% of the time it ran"
         return (f"step base ms by tokens {{{base}}}; drafting extra ms by samples {{{extra}}}; "
-                f"attention {1e3 * self.per_work:.2f} ms per {WORK_UNIT:.0f} query-row keys")
+                f"attention {1e3 * self.per_work:.2f} ms per {WORK_UNIT:.0f} query-row keys{waited}")
+
+    @property
+    def busy(self) -> bool:
+        """Whether the machine was too busy while these prices were measured to keep them (``BUSY``)."""
+        return self.waited is not None and self.waited > BUSY
 
 
 def _interp(x: float, xs: list[int], ys: list[float]) -> float:
@@ -447,6 +466,32 @@ def measure(engine: "LLMEngine") -> StepCosts:
 
 # ---------------------------------------------------------------------- the cache
 
+def core_wait() -> dict[str, tuple[int, int]] | None:
+    """Per thread of this process, nanoseconds it has run and waited to run on a core so far
+    (Linux's per-task ``schedstat``); None where the system does not keep them."""
+    times = {}
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                ran, waited, _ = (int(x) for x in (task / "schedstat").read_text().split())
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile
+            times[task.name] = (ran, waited)
+    except OSError:
+        return None
+    return times or None
+
+
+def waited_share(before: dict[str, tuple[int, int]] | None, after: dict[str, tuple[int, int]] | None) -> float | None:
+    """Seconds waited for a core per second run between two ``core_wait`` readings (a thread
+    started in between counts from zero)."""
+    if before is None or after is None:
+        return None
+    ran = sum(r - before.get(t, (0, 0))[0] for t, (r, _) in after.items())
+    waited = sum(w - before.get(t, (0, 0))[1] for t, (_, w) in after.items())
+    return waited / ran if ran > 0 else None
+
+
 def machine() -> str:
     """The processor the steps run on, as its vendor names it."""
     try:
@@ -482,9 +527,12 @@ def cache_key(engine: "LLMEngine", model_key: str) -> dict:
             "integer_block_rows": affine_rows() if device.type == "cpu" and engine.dtype == torch.float32 else 0}
 
 
-def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False) -> StepCosts:
+def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path, refresh: bool = False,
+                    even_if_busy: bool = False) -> StepCosts:
     """The engine's step costs from the cache, or measured now (and cached) when not there or
-    ``refresh`` is set. No ``model_key`` (an engine built without one): measured, not cached."""
+    ``refresh`` is set. No ``model_key`` (an engine built without one): measured, not cached.
+    Prices measured on a busy machine (``BUSY``) are returned with a warning and not cached,
+    unless ``even_if_busy`` (a machine that is never quiet)."""
     key = cache_key(engine, model_key) if model_key else None
     path = None
     if key is not None:
@@ -497,9 +545,17 @@ def load_or_measure(engine: "LLMEngine", model_key: str | None, cache_dir: Path,
         except (OSError, ValueError, TypeError, KeyError):
             pass
     log.info("measuring decode step costs for the draft budget (once per machine and model)")
+    before = core_wait()
     costs = measure(engine)
+    costs.waited = waited_share(before, core_wait())
     log.info("%s", costs.table())
-    if path is not None:
+    if costs.busy and not even_if_busy:
+        log.warning("the machine was busy while the draft budget's step costs were measured (its threads waited "
+                    "for a core %.0f%% of the time they ran: another process, or more threads than cores); this "
+                    "process uses them, they are not cached: run `multispec calibrate` when nothing else runs "
+                    "(with --even-if-busy it caches them anyway)",
+                    100 * costs.waited)
+    elif path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             scratch = path.with_suffix(f".{os.getpid()}.tmp")

@@ -304,13 +304,14 @@ class LLMEngine:
             self._heads[key] = head
         return head
 
-    def step_costs(self, refresh: bool = False) -> StepCosts:
+    def step_costs(self, refresh: bool = False, even_if_busy: bool = False) -> StepCosts:
         """What a decode step of each shape costs here (the draft budget's prices): from the cache
         when this machine and model were measured before, else measured now, once. ``refresh``
-        measures again and replaces the cached prices (lanes built before keep the old ones)."""
+        measures again and replaces the cached prices (lanes built before keep the old ones);
+        ``even_if_busy`` caches them even where other work kept the machine busy meanwhile."""
         if self._step_costs is None or refresh:
             root = Path(self.config.cache_dir).expanduser() if self.config.cache_dir else default_cache_dir()
-            self._step_costs = load_or_measure(self, self.config.model_key, root, refresh)
+            self._step_costs = load_or_measure(self, self.config.model_key, root, refresh, even_if_busy)
             self._prices = None
         return self._step_costs
 

@@ -4,6 +4,10 @@ cached per machine and model."""
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -79,7 +83,14 @@ def test_measuring_runs_every_shape_and_leaves_the_engine_as_it_was(tiny, monkey
     assert not engine.requests and not engine.lanes
 
 
+def unknown_waits(monkeypatch) -> None:
+    """The system says nothing about waiting for a core: what the machine did meanwhile cannot
+    decide whether a test's prices are cached."""
+    monkeypatch.setattr(costs_module, "core_wait", lambda: None)
+
+
 def test_the_costs_are_cached_per_machine_and_model(tiny, tmp_path, monkeypatch, caplog):
+    unknown_waits(monkeypatch)
     calls = []
     prices = StepCosts([1, 64], [0.01, 0.05], 0.001, [1, 64], [0.0, 0.002])
     monkeypatch.setattr(costs_module, "measure", lambda engine: calls.append(engine) or prices)
@@ -105,6 +116,7 @@ def test_the_costs_are_cached_per_machine_and_model(tiny, tmp_path, monkeypatch,
 def test_the_engine_measures_once_and_only_for_an_adaptive_budget(successor_dir, tmp_path, monkeypatch):
     from multispec import LLM, SamplingParams, SpecConfig
 
+    unknown_waits(monkeypatch)
     calls = []
     real = costs_module.measure
     monkeypatch.setattr(costs_module, "measure", lambda engine: calls.append(1) or real(engine))
@@ -120,6 +132,54 @@ def test_the_engine_measures_once_and_only_for_an_adaptive_budget(successor_dir,
     again.generate([[5, 6, 7]], params, spec=SpecConfig(drafter="consensus"), use_tqdm=False)
     assert calls == [1]  # the second engine on the same weights reads the cache
     assert again.engine.step_costs() == llm.engine.step_costs()
+
+
+def test_prices_measured_on_a_busy_machine_are_used_but_not_cached(tiny, tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(costs_module, "measure",
+                        lambda engine: calls.append(1) or StepCosts([1, 64], [0.01, 0.05], 0.001, [1], [0.0]))
+    readings = []
+    monkeypatch.setattr(costs_module, "core_wait", lambda: readings.pop(0))
+    # Two threads; between the readings the second one starts. 2 s run in all, 0.5 s waited: 25%.
+    readings += [{"1": (10**9, 10**8)}, {"1": (2 * 10**9, 4 * 10**8), "2": (10**9, 2 * 10**8)}]
+    with caplog.at_level(logging.WARNING, logger="multispec"):
+        busy = load_or_measure(tiny.engine, "model-a", tmp_path)
+    assert busy.waited == pytest.approx(0.25) and busy.busy
+    assert "the machine was busy" in caplog.text and "25%" in caplog.text
+    assert not (tmp_path / "step-costs").exists()  # the next process measures again
+    assert "waited for a core 25.0% of the time it ran" in busy.table()
+    readings += [{"1": (0, 0)}, {"1": (10**9, 5 * 10**6)}]  # quiet: 0.5% waited, cached with its share
+    quiet = load_or_measure(tiny.engine, "model-a", tmp_path)
+    assert quiet.waited == pytest.approx(0.005) and not quiet.busy and len(calls) == 2
+    assert load_or_measure(tiny.engine, "model-a", tmp_path) == quiet and len(calls) == 2  # from the cache
+    readings += [{"1": (0, 0)}, {"1": (10**9, 5 * 10**8)}]  # busy, but asked to cache anyway
+    kept = load_or_measure(tiny.engine, "model-a", tmp_path, refresh=True, even_if_busy=True)
+    assert kept.busy and load_or_measure(tiny.engine, "model-a", tmp_path) == kept and len(calls) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or costs_module.core_wait() is None,
+                    reason="needs Linux's per-thread scheduler statistics and CPU affinity")
+def test_a_thread_sharing_its_core_with_a_spinning_process_is_seen_waiting():
+    """What ``BUSY`` rests on, on the real scheduler: this thread and a process that spins, pinned to
+    one core, each run about half the time, so the thread waits about as long as it runs (a
+    measurement alone on its core waits almost nothing)."""
+    allowed = os.sched_getaffinity(0)
+    core = min(allowed)
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os, time\nos.sched_setaffinity(0, {{{core}}})\n"
+                                "end = time.monotonic() + 3\nwhile time.monotonic() < end: pass"])
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.3)  # the spinner is running on the core
+        before = costs_module.core_wait()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+        share = costs_module.waited_share(before, costs_module.core_wait())
+    finally:
+        os.sched_setaffinity(0, allowed)
+        spinner.kill()
+        spinner.wait()
+    assert share is not None and share > 3 * costs_module.BUSY
 
 
 def test_live_steps_correct_what_drafting_adds_to_a_step():
