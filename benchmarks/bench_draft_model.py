@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_spec import chat_stats, warm_up  # noqa: E402 - the one-at-a-time loop is shared with bench_spec
+from bench_spec import CoreWait, chat_stats, warm_up  # noqa: E402 - the one-at-a-time loop is shared with bench_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = [  # (questions, n, one request at a time)
@@ -155,6 +155,7 @@ def main() -> None:
           file=sys.stderr)
     if any(r in ("consensus", "model-auto", "hybrid", "hybrid-copied") for r in rows):
         llm.engine.step_costs()  # the adaptive budget's prices, measured before any timing
+    waiting = CoreWait()
     table = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for questions, n, one_at_a_time in cells:
@@ -174,6 +175,7 @@ def main() -> None:
             print(f"| {name} | {cell['temperature']} | {label} | {r['tau']:.2f} | {r['acceptance']:.1%} | "
                   f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['draft_share']:.1%} | {r['draft_model_share']:.1%} | "
                   f"{r['draft_forwards_per_step']:.1f} |")
+    print(waiting.report())
 
 
 if __name__ == "__main__":

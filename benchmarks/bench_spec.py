@@ -20,6 +20,10 @@ The headline cell (n = 16, temperature 0.7) is the median of 3 runs for the wall
 runs). Fixed 4-token drafts run at about half the speed of plain decoding at the batched sizes on
 a CPU, so the n = 64 cell and the temperature 1.0 cell keep to the rows they are there for.
 
+The last line says how long the run's threads waited for a core (``CoreWait``; this benchmark,
+``bench_draft_model.py`` and ``roofline.py``): above 10% of the time they ran, other work kept the
+machine busy and the timings are the machine's, not the engine's.
+
     python benchmarks/bench_spec.py           # the full table and plot (about 75 minutes here)
     python benchmarks/bench_spec.py --quick   # a few-minute subset
     python benchmarks/bench_spec.py --cells 0 --append   # rerun one cell into the saved table
@@ -87,6 +91,28 @@ def chat_stats(llm, conversations, params, spec, one_at_a_time: bool):
         for f in dataclasses.fields(RunStats):
             setattr(total, f.name, getattr(total, f.name) + getattr(llm.last_stats, f.name))
     return total
+
+
+class CoreWait:
+    """How long this process's threads waited for a core while a benchmark ran (Linux's scheduler
+    statistics, ``multispec.engine.costs.core_wait``): timings taken while other work kept the
+    machine busy are the machine's, not the engine's, and the line ``report`` prints says so."""
+
+    def __init__(self):
+        from multispec.engine.costs import core_wait
+
+        self.before = core_wait()
+
+    def report(self) -> str:
+        from multispec.engine.costs import BUSY, core_wait, waited_share
+
+        share = waited_share(self.before, core_wait())
+        if share is None:
+            return "waiting for a core: not known on this system"
+        line = f"this run's threads waited for a core {100 * share:.1f}% of the time they ran"
+        if share > BUSY:
+            line += " (other work kept the machine busy: these timings are not the engine's; rerun when nothing else runs)"
+        return line
 
 
 def warm_up(llm, conversation, n: int, temperature: float, specs) -> None:
@@ -194,6 +220,7 @@ def main() -> None:
     args = parser.parse_args()
     cells = QUICK_CELLS if args.quick else FULL_CELLS
     max_tokens = 128 if args.quick and args.max_tokens == 256 else args.max_tokens
+    waiting = CoreWait()
     if args.from_json:
         table = json.loads(Path(args.from_json).read_text())
     else:
@@ -252,6 +279,8 @@ def main() -> None:
         if "ngram" in rows and "consensus" in rows:
             print(f"{cell_name(cell)}, T {cell['temperature']}: consensus tau / ngram tau "
                   f"{rows['consensus']['tau_runs'][0] / rows['ngram']['tau_runs'][0]:.2f}x (same run)")
+    if not args.from_json:
+        print(waiting.report())
 
 
 if __name__ == "__main__":

@@ -139,6 +139,9 @@ def main() -> None:
     all_rows = sorted({b * (1 + L) for b in samples for L in lengths})
     weights = weight_bytes(model)
     weights_at = {rows: weight_bytes(model, rows) for rows in all_rows}
+    from bench_spec import CoreWait
+
+    waiting = CoreWait()
     passes = []  # per pass: (bandwidth, {rows: (seconds, flops)}, {(cell, L): step seconds})
     for run in range(args.repeats):
         with torch.inference_mode():
@@ -194,6 +197,7 @@ def main() -> None:
               f"{bandwidth / 1e9:.1f} GB/s measured on a 1 GiB tensor, so part of what they read came from a cache "
               "(a last-level cache that holds much of the model while the host is quiet). The floor reads every "
               "weight from memory.")
+    print(waiting.report())
 
 
 if __name__ == "__main__":
