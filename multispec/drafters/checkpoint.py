@@ -77,13 +77,7 @@ class CheckpointDrafter(ModelDrafter):
         self.head = None
         self.draft = draft
         self.model = draft.model
-        self.max_depth = max_depth
-        self.max_nodes = max_nodes
-        self.width = num_candidates
-        self.temperature = temperature
-        self.replacement = replacement
-        self.threshold = threshold
-        self.copied = copied
+        self._drafting(max_depth, max_nodes, num_candidates, temperature, replacement, threshold, copied)
         self.vocab_size = draft.target_vocab_size
         self.device = draft.model.output_weight().device
         self.vocab_ids = torch.arange(draft.vocab_size, device=self.device)

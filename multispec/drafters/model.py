@@ -56,13 +56,7 @@ class ModelDrafter:
     def __init__(self, *, head: DraftHead, max_depth: int, max_nodes: int, num_candidates: int = 1,
                  temperature: float = 1.0, replacement: bool = False, threshold: float = 0.0, copied: bool = False):
         self.head = head
-        self.max_depth = max_depth
-        self.max_nodes = max_nodes
-        self.width = num_candidates
-        self.temperature = temperature
-        self.replacement = replacement
-        self.threshold = threshold
-        self.copied = copied
+        self._drafting(max_depth, max_nodes, num_candidates, temperature, replacement, threshold, copied)
         self.vocab_size = head.config.target_vocab_size
         self.vocab_ids = head.vocab_ids
         """The target's token id of each column of q (the head drafts from its own short list)."""
@@ -79,6 +73,17 @@ class ModelDrafter:
         ``limit``); a chain stops where the product along its path falls below ``floor``."""
         self.floor = 0.0
         self.model_forwards = 0
+
+    def _drafting(self, max_depth: int, max_nodes: int, num_candidates: int, temperature: float, replacement: bool,
+                  threshold: float, copied: bool) -> None:
+        """The settings every model drafter drafts by (this one's and ``CheckpointDrafter``'s)."""
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
+        self.width = num_candidates
+        self.temperature = temperature
+        self.replacement = replacement
+        self.threshold = threshold
+        self.copied = copied
 
     @classmethod
     def create(cls, *, draft=None, head: DraftHead | None = None, max_depth: int, max_nodes: int,
