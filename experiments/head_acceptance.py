@@ -10,7 +10,7 @@ head's decision model. It prints drafted and accepted tokens and tau per head, d
 temperature.
 
 With ``--speed 4,16`` it then times what each head buys as a user runs it: the hybrid drafter
-with the default budget, one request of n samples at a time (GSM8K test questions 1-2, T 0.7),
+with the default budget, one request of n samples at a time (GSM8K test questions 1-8, T 0.7),
 plain decoding and the hybrid with each head alternating in one process for ``--rounds`` rounds
 (the order reversed every other round); per head the median of the per-round ratios to plain.
 
@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--skip-acceptance", action="store_true")
     parser.add_argument("--speed", help="comma-separated n: time the hybrid with each head at one request of n")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--speed-questions", type=int, default=8,
+                        help="GSM8K test questions each timed round runs (drawn drafts change the text, so two "
+                             "heads write different answers: few questions compare texts, not heads)")
     args = parser.parse_args()
     llm = LLM()
     baseline = args.baseline or paired_draft_head(llm.model_name)
@@ -49,7 +52,7 @@ def main() -> None:
     if not args.skip_acceptance:
         acceptance(llm, convs, heads, args)
     for n in [int(x) for x in args.speed.split(",")] if args.speed else []:
-        speed(llm, heads, n, args.rounds)
+        speed(llm, heads, n, args.rounds, args.speed_questions)
 
 
 def acceptance(llm, convs, heads: dict, args) -> None:
@@ -66,8 +69,8 @@ def acceptance(llm, convs, heads: dict, args) -> None:
                       flush=True)
 
 
-def speed(llm, heads: dict, n: int, rounds: int) -> None:
-    convs = [p.chat() for p in load_gsm8k(limit=2)]
+def speed(llm, heads: dict, n: int, rounds: int, questions: int) -> None:
+    convs = [p.chat() for p in load_gsm8k(limit=questions)]
     variants = {"plain": None, **{name: SpecConfig(drafter="hybrid", draft_model=path) for name, path in heads.items()}}
     params = SamplingParams(n=n, temperature=0.7, max_tokens=256, seed=0)
     for spec in variants.values():  # warm-up (each head's first draft pays its loading)
@@ -83,8 +86,8 @@ def speed(llm, heads: dict, n: int, rounds: int) -> None:
                 tokens, seconds = tokens + stats.generated_tokens, seconds + stats.time_total
                 taus[name].append(stats.tau)
             rates[name].append(tokens / seconds)
-    print(f"one request of {n}, hybrid, default budget, {rounds} rounds; plain tok/s per round "
-          f"{[round(x) for x in rates['plain']]}")
+    print(f"one request of {n} at a time, {questions} questions, hybrid, default budget, {rounds} rounds; "
+          f"plain tok/s per round {[round(x) for x in rates['plain']]}")
     for name in heads:
         ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
         print(f"  {name:8s} {statistics.median(ratios):.3f}x plain (rounds {[round(x, 3) for x in ratios]}), "
