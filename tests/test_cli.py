@@ -64,6 +64,12 @@ def test_missing_device_is_one_line_error():
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_python_dash_m_multispec_is_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "multispec", "generate", "--n", "0", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "multispec: error: n=0: must be an integer >= 1"
+
+
 def step_cost_files() -> dict:
     """The cached step-cost tables of the test session's cache (``tests/conftest.py``: the kernels
     built there are reused; a cache of its own built them again, half a minute), by modification time."""
