@@ -9,7 +9,7 @@ import math
 import os
 import time
 from numbers import Integral, Real
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -108,11 +108,12 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Mapping | Sequence[Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  spec: SpecConfig | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate ``n`` completions per prompt; prompts are text or token ids. Every request is
-        checked before any is queued; the engine then steps until all are finished.
+        """Generate ``n`` completions per prompt; prompts are text or token ids, or vLLM's dict
+        prompts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). Every request is checked
+        before any is queued; the engine then steps until all are finished.
 
         Run counters and timings (forwards, tau, acceptance, time split) land in ``last_stats``. A
         request that failed on its own (``RequestOutput.error``) is returned as it ended, with a
@@ -192,11 +193,11 @@ class LLM:
         return outputs
 
     def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts={prompts!r}: must be a string, a list of strings, a list of token ids or a list "
-                             f"of such lists")
+            raise ValueError(f"prompts={prompts!r}: must be a string, a list of strings, a list of token ids, a dict "
+                             f"with 'prompt' or 'prompt_token_ids', or a list of these")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty: give at least one prompt")
@@ -212,9 +213,33 @@ class LLM:
             elif isinstance(prompt, (list, tuple)) and all(_is_token(t) for t in prompt):
                 texts.append(None)
                 ids.append([int(t) for t in prompt])
+            elif isinstance(prompt, Mapping):
+                text, prompt_ids = self._prompt_dict(i, prompt)
+                texts.append(text)
+                ids.append(prompt_ids)
             else:
-                raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+                raise ValueError(f"prompt {i} must be a string, a list of token ids or a dict with 'prompt' or "
+                                 f"'prompt_token_ids', got {type(prompt).__name__}")
         return texts, ids
+
+    def _prompt_dict(self, i: int, prompt: Mapping) -> tuple[str | None, list[int]]:
+        """vLLM's dict prompts: ``{"prompt": text}`` (TextPrompt) or ``{"prompt_token_ids": ids}``
+        (TokensPrompt)."""
+        unknown = sorted(str(key) for key in prompt if key not in ("prompt", "prompt_token_ids"))
+        if unknown:
+            raise ValueError(f"prompt {i}: unsupported key(s) {', '.join(map(repr, unknown))}; a dict prompt takes "
+                             f"'prompt' (text) or 'prompt_token_ids'")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"prompt {i}: a dict prompt takes exactly one of 'prompt' and 'prompt_token_ids'")
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"prompt {i}: 'prompt' must be a non-empty string, got {text!r}")
+            return text, self.tokenizer.encode(text)
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, (list, tuple)) or not token_ids or not all(_is_token(t) for t in token_ids):
+            raise ValueError(f"prompt {i}: 'prompt_token_ids' must be a non-empty list of token ids")
+        return None, [int(t) for t in token_ids]
 
 
 def _is_token(value) -> bool:

@@ -136,6 +136,11 @@ GENERATE_BAD = [
     ({"prompts": [[1, "a"]]}, "prompt 0 must be"), ({"prompts": [1.5]}, "prompt 0 must be"),
     ({"prompts": [[True, 2]]}, "prompt 0 must be"), ({"prompts": [[500]]}, "token ids outside [0, 400)"),
     ({"prompts": [[1] * 300]}, "context window"),
+    ({"prompts": {"prompt": "hi", "prompt_token_ids": [5]}}, "exactly one of 'prompt' and 'prompt_token_ids'"),
+    ({"prompts": [{}]}, "exactly one of"), ({"prompts": [{"prompt": ""}]}, "'prompt' must be a non-empty string"),
+    ({"prompts": [{"prompt_token_ids": [5, 2.0]}]}, "'prompt_token_ids' must be a non-empty list of token ids"),
+    ({"prompts": [{"prompt_token_ids": [5], "multi_modal_data": {}}]}, "unsupported key(s) 'multi_modal_data'"),
+    ({"prompts": [{"prompt_token_ids": [500]}]}, "token ids outside [0, 400)"),
     ({"sampling_params": {"n": 2}}, "sampling_params={"), ({"sampling_params": "x"}, "sampling_params='x'"),
     ({"sampling_params": [SamplingParams(), "x"]}, "sampling_params=["),
     ({"sampling_params": [SamplingParams(), SamplingParams()]}, "sampling_params has 2 entries for 1 prompts"),
@@ -154,6 +159,18 @@ def test_generate_refuses_bad_input_before_any_work(tiny, options, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         tiny.generate(**call)
     assert tiny.last_stats is before
+
+
+def test_vllm_dict_prompts_are_the_same_requests_as_text_and_ids(tiny):
+    params = SamplingParams(n=2, max_tokens=4, seed=3)
+    text = "hello world"
+    ids = tiny.get_tokenizer().encode(text)
+    by_text, by_ids = tiny.generate([text, ids], params, use_tqdm=False)
+    as_text, as_ids = tiny.generate([{"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    single = tiny.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert as_text.prompt == text and as_ids.prompt is None and as_ids.prompt_token_ids == ids
+    for a, b in ((by_text, as_text), (by_ids, as_ids), (by_ids, single[0])):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
 
 
 def test_one_bad_request_refuses_the_whole_call(tiny):
