@@ -66,15 +66,18 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
         return prefill(llm.model, new_cache(llm.model, prompt_capacity=len(ids)), ids)[-1]
 
 
-def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float) -> dict:
-    """Every token sequence of ``length`` whose exact probability under the sampling law is at least
-    ``threshold``, found by expanding prefixes with plain prefill forwards."""
+def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
+                top_p: float = 1.0, min_p: float = 0.0) -> dict:
+    """Every token sequence of ``length`` whose exact probability under the sampling law (the
+    temperature, and top-k, top-p and min-p where given) is at least ``threshold``, found by
+    expanding prefixes with plain prefill forwards."""
     cells = {(): 1.0}
     for _ in range(length):
         grown = {}
         for prefix, mass in cells.items():
             logits = last_logits(llm, prompt_ids + list(prefix))[None]
-            probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([1.0]))[0]
+            probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+                                 torch.tensor([min_p]))[0]
             top = probs.topk(64)
             for p, token in zip(top.values.tolist(), top.indices.tolist()):
                 if mass * p >= threshold:

@@ -1,6 +1,6 @@
 """From logits to the target distribution p that sampling and verification both use.
 
-Temperature, top-k and top-p are applied per row, so samples of different requests share one
+Temperature, min-p, top-k and top-p are applied per row (in that order, as vLLM does), so samples of different requests share one
 forward. Greedy rows (temperature 0) become one-hot at the argmax: every verification scheme
 then reduces to exact greedy decoding without a special case.
 """
@@ -11,11 +11,16 @@ import torch
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
-    """p[T, V] from logits[T, V] and per-row temperature[T], top_k[T] (0 = off), top_p[T]."""
+                 top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """p[T, V] from logits[T, V] and per-row temperature[T], top_k[T] (0 = off), top_p[T] and
+    min_p[T] (0 = off; None: off for every row)."""
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p_i >= min_p * p_max, read on the scaled logits: s_i - s_max >= log(min_p).
+        floor = torch.log(min_p.to(scaled.dtype))[:, None]
+        scaled = scaled.masked_fill(scaled - scaled.amax(-1, keepdim=True) < floor, float("-inf"))
     use_k = top_k > 0
     if bool(use_k.any()):
         k = torch.where(use_k, top_k, torch.full_like(top_k, scaled.shape[-1])).clamp(max=scaled.shape[-1])
@@ -39,18 +44,19 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor, truncated: bool | None = None
+                         top_p: torch.Tensor, min_p: torch.Tensor | None = None, truncated: bool | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``target_probs`` and, where the compiled CPU softmax computes them alongside (rows without
-    top-k or top-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits and
+    top-k, top-p or min-p, float32 or bf16 logits on a CPU), each row's logsumexp of its raw logits and
     the index of each greedy row's one (-1 for the other rows); None and None elsewhere. ``logits``
-    may be in the model's dtype: the kernel reads bf16 directly. ``truncated`` (some row has top-k
-    or top-p): where the caller knows it, the parameter tensors are not searched for it."""
+    may be in the model's dtype: the kernel reads bf16 directly. ``truncated`` (some row has top-k,
+    top-p or min-p): where the caller knows it, the parameter tensors are not searched for it."""
     op = _compiled_softmax(logits)
     if truncated is None:
-        truncated = bool((top_k > 0).any()) or bool((top_p < 1).any())
+        truncated = (bool((top_k > 0).any()) or bool((top_p < 1).any())
+                     or (min_p is not None and bool((min_p > 0).any())))
     if op is None or truncated:
-        return target_probs(logits, temperature, top_k, top_p), None, None
+        return target_probs(logits, temperature, top_k, top_p, min_p), None, None
     return op(logits.contiguous(), temperature.to(torch.float32).contiguous())
 
 

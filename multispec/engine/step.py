@@ -88,14 +88,21 @@ def position_keys(samples: list[Sample]) -> PositionKeys:
 
 
 def sampling_rows(requests: list[Request], device: torch.device,
-                  repeats: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row temperature, top-k and top-p of the given rows' requests; ``repeats``: each
+                  repeats: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top-k, top-p and min-p of the given rows' requests; ``repeats``: each
     request's row taken that many times in a row (a sample's root and draft rows)."""
     if repeats is not None and any(count != 1 for count in repeats):
         requests = [r for r, count in zip(requests, repeats) for _ in range(count)]
     return (torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=device),
             torch.tensor([r.params.top_k for r in requests], dtype=torch.long, device=device),
-            torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device))
+            torch.tensor([r.params.top_p for r in requests], dtype=torch.float32, device=device),
+            torch.tensor([r.params.min_p for r in requests], dtype=torch.float32, device=device))
+
+
+def truncates(params) -> bool:
+    """Whether a request's law drops tokens besides its temperature (top-k, top-p or min-p): such
+    rows take the reference softmax, not the compiled one."""
+    return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
 
 
 def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) -> list[Verified]:
@@ -111,7 +118,7 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     requests = [s.request for s in samples]
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
-    truncated = any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests)
+    truncated = any(truncates(r.params) for r in requests)
     if alternatives[0] <= 0 and not truncated and not any(tree.tokens for tree in trees):
         drawn = _draw_plain(step, logits, requests)
         if drawn is not None:

@@ -15,11 +15,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED: dict[str, tuple] = {
+    # OpenAI's
     "echo": (False,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "min_tokens": (0,), "suffix": ("",), "tools": ([],),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    # vLLM's extras
+    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "prompt_logprobs": (),
+    "truncate_prompt_tokens": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},),
 }
 """Fields that would change the output and that the engine does not implement, with the values
-that ask for nothing (None always does)."""
+that ask for nothing (None always does; an empty tuple: only None)."""
 
 
 def _omit_none():
@@ -38,6 +47,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

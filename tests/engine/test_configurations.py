@@ -63,8 +63,8 @@ def configure(drafter: str, sampled: bool, scheme: str, shape: str) -> SpecConfi
         return error
 
 
-def params(seed: int, n: int = PER_CALL) -> SamplingParams:
-    return SamplingParams(n=n, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed)
+def params(seed: int, n: int = PER_CALL, **law) -> SamplingParams:
+    return SamplingParams(n=n, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed, **law)
 
 
 def power(expected_p: list[float], total: int, moved: float, to: int) -> float:
@@ -77,15 +77,16 @@ def power(expected_p: list[float], total: int, moved: float, to: int) -> float:
     return ncx2.sf(chi2.isf(ALPHA, df), df, total * sum((a - b) ** 2 / b for a, b in zip(shifted, expected_p)))
 
 
-def assert_first_tokens_follow_the_law(llm, prompt, cells, spec):
-    """Chi-square of CALLS x PER_CALL samples' first LENGTH tokens against the exact law. Its power
-    at alpha = 1e-3 is asserted >= 0.9 first against two biases: 5% of the mass moved from the
-    likeliest sequence to the second, and 2% moved to the rarest tested one."""
+def assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **law):
+    """Chi-square of CALLS x PER_CALL samples' first LENGTH tokens against the exact law (``law``:
+    top-k, top-p or min-p besides the temperature). Its power at alpha = 1e-3 is asserted >= 0.9
+    first against two biases: 5% of the mass moved from the likeliest sequence to the second, and
+    2% moved to the rarest tested one."""
     keys = sorted(cells, key=cells.get, reverse=True)
     expected_p = [cells[k] for k in keys] + [1.0 - sum(cells.values())]
     total = CALLS * PER_CALL
     assert power(expected_p, total, 0.05, 1) >= 0.9 and power(expected_p, total, 0.02, len(keys) - 1) >= 0.9
-    observed, accepted = sampled_cells(llm, prompt, keys, LENGTH, [params(seed) for seed in range(CALLS)], spec)
+    observed, accepted = sampled_cells(llm, prompt, keys, LENGTH, [params(seed, **law) for seed in range(CALLS)], spec)
     assert accepted > 0.2 * total, "too few accepted drafts for the test to exercise verification"
     assert chisquare(observed, [p * total for p in expected_p]).pvalue > ALPHA
 
@@ -121,6 +122,36 @@ def test_every_configuration_is_exact_or_refused(successor, drafter, sampled, sc
         if spec.speculates:
             assert llm.last_stats.accepted_tokens > 0
         assert got == plain
+
+
+TRUNCATED_LAWS = {"min_p": {"min_p": 0.008}, "min_p+top_p": {"min_p": 0.004, "top_p": 0.97},
+                  "top_k": {"top_k": 2}}
+"""Laws that drop tokens: the plain law puts 13-15% of its mass on sequences of the first three
+tokens that these laws drop (or leave below the cells' 0.4%), so a step that read the untruncated
+law would fill the last cell, which the truncated laws leave nearly empty (at most 0.8%)."""
+
+
+@pytest.mark.parametrize("law", TRUNCATED_LAWS)
+@pytest.mark.parametrize("drafter,sampled", [("consensus", True), ("model", False), ("hybrid", True)])
+def test_truncated_laws_hold_under_speculation(successor, drafter, sampled, law):
+    """min-p, top-k and top-p under drafts verified against the truncated law (drawn or sampled
+    drafts, whose q knows nothing of the truncation): the first tokens follow the exact truncated
+    law."""
+    llm, prompt, plain_cells = successor
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004, **TRUNCATED_LAWS[law])
+    assert 1 - sum(cells.values()) < 0.02 < 1 - sum(plain_cells[k] for k in cells if k in plain_cells) - 0.08
+    spec = configure(drafter, sampled, "auto", "tree")
+    assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **TRUNCATED_LAWS[law])
+
+
+@pytest.mark.parametrize("law", TRUNCATED_LAWS)
+def test_copied_drafts_under_truncated_laws_return_the_plain_samples(successor, law):
+    llm, prompt, _ = successor
+    spec = configure("consensus", False, "auto", "tree")
+    plain = llm.generate([prompt], params(7, n=200, **TRUNCATED_LAWS[law]), SpecConfig(), use_tqdm=False)[0]
+    got = llm.generate([prompt], params(7, n=200, **TRUNCATED_LAWS[law]), spec, use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 0
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
 
 
 def test_the_walk_refuses_exactly_the_inexact_pairings():

@@ -39,6 +39,24 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95, atol=1e-6)
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest_then_top_p_reads_the_rest():
+    """min_p keeps p_i >= min_p * p_max after the temperature, renormalised; top-p then reads the
+    renormalised law (vLLM's order), so the two do not commute."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, rows(2, 1.0), rows(2, 0, torch.long), rows(2, 1.0), torch.tensor([0.2, 0.0]))
+    assert torch.allclose(p[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=1e-6)
+    assert torch.allclose(p[1], torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
+    # At temperature 2 the ratios are square roots: 0.05 / 0.5 -> 0.316 >= 0.3 stays.
+    p = target_probs(logits[:1], rows(1, 2.0), rows(1, 0, torch.long), rows(1, 1.0), rows(1, 0.3))
+    assert (p > 0).all()
+    # top-p 0.81 alone keeps three of the four tokens (the test above); after min-p 0.2 the
+    # renormalised law [0.526, 0.316, 0.158] passes 0.81 with two.
+    p = target_probs(logits[:1], rows(1, 1.0), rows(1, 0, torch.long), rows(1, 0.81), rows(1, 0.2))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
+    p = target_probs(logits[:1], rows(1, 1.0), rows(1, 0, torch.long), rows(1, 1.0), rows(1, 1.0))
+    assert torch.equal(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
 COMPILED_SOFTMAX = kernels.softmax_rows() is not None
 
 
@@ -81,12 +99,15 @@ def test_compiled_greedy_rows_are_one_hot_at_the_first_maximum(dtype):
     assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
 
 
-def test_rows_with_top_k_or_top_p_take_the_reference_path():
+def test_rows_with_top_k_top_p_or_min_p_take_the_reference_path():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
     probs, lse, top = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
     assert lse is None and top is None and (probs[0] > 0).sum() == 5
     probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
     assert lse is None
+    probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), rows(2, 1.0),
+                                         torch.tensor([0.0, 0.3]))
+    assert lse is None and (probs[0] > 0).all() and (probs[1] > 0).sum() < 50
 
 
 @pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")

@@ -17,6 +17,7 @@ BAD_COMPLETIONS = [
     ({"n": 0}, "n"), ({"n": MAX_N + 1}, "n"), ({"n": "many"}, "n"),
     ({"temperature": -0.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": "low"}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     ({"max_tokens": 255, "prompt": "Hello world! The quick brown fox"}, "max_tokens"),
     ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
@@ -28,6 +29,8 @@ BAD_COMPLETIONS = [
     ({"speculation": {"drafter": "oracle"}}, "speculation"), ({"speculation": {"depth": 3}}, "speculation"),
     ({"speculation": {"scheme": "greedy"}, "temperature": 1.0}, "speculation"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "hi"}]}, "messages"),
@@ -36,6 +39,7 @@ BAD_CHAT = [
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"stop": [""]}, "stop"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice"),
 ]
 
 
