@@ -108,6 +108,12 @@ def softmax_rows():
     return _op("softmax_rows")
 
 
+def softmax_truncated():
+    """``torch.ops.multispec.softmax_truncated`` (``softmax_rows`` with each row's top-k, top-p and
+    min-p, see ``sampling.cpp``), or None as above."""
+    return _op("softmax_truncated")
+
+
 def sample_rows():
     """``torch.ops.multispec.sample_rows`` (see ``sampling.cpp``), or None as above."""
     return _op("sample_rows")

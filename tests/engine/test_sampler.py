@@ -99,15 +99,52 @@ def test_compiled_greedy_rows_are_one_hot_at_the_first_maximum(dtype):
     assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
 
 
-def test_rows_with_top_k_top_p_or_min_p_take_the_reference_path():
-    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(6))
-    probs, lse, top = target_probs_and_lse(logits, rows(2, 1.0), torch.tensor([5, 0]), rows(2, 1.0))
-    assert lse is None and top is None and (probs[0] > 0).sum() == 5
-    probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), torch.tensor([1.0, 0.5]))
-    assert lse is None
-    probs, lse, _ = target_probs_and_lse(logits, rows(2, 1.0), rows(2, 0, torch.long), rows(2, 1.0),
-                                         torch.tensor([0.0, 0.3]))
-    assert lse is None and (probs[0] > 0).all() and (probs[1] > 0).sum() < 50
+
+
+def test_tokens_tied_at_a_truncation_boundary_are_kept_together():
+    """top-k keeps every token tied with the k-th largest logit; top-p keeps a token when the tokens
+    strictly more likely than it hold less than top_p, so a tie at the boundary is kept whole."""
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0]]).clamp_min(1e-9))
+    p = target_probs(logits, rows(1, 1.0), torch.tensor([2]), rows(1, 1.0))
+    assert (p[0, :4] > 0).all() and p[0, 4] == 0
+    p = target_probs(logits, rows(1, 1.0), rows(1, 0, torch.long), rows(1, 0.5))
+    assert torch.allclose(p[0], torch.tensor([0.4, 0.2, 0.2, 0.2, 0.0]), atol=1e-6)
+    p = target_probs(logits, rows(1, 1.0), rows(1, 0, torch.long), rows(1, 0.4))
+    assert torch.allclose(p[0], torch.tensor([1.0, 0, 0, 0, 0]), atol=1e-6)
+
+
+TRUNCATIONS = {"top_p": (0, 0.9, 0.0), "top_p_wide": (0, 0.99, 0.0), "min_p": (0, 1.0, 0.05),
+               "top_k": (40, 1.0, 0.0), "top_k_many": (1000, 1.0, 0.0), "all": (50, 0.95, 0.02)}
+
+
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("law", TRUNCATIONS)
+def test_compiled_truncation_keeps_the_reference_tokens(dtype, law):
+    """The compiled softmax with top-k, top-p and min-p (``softmax_truncated``) against
+    ``target_probs`` on a 49k vocabulary: peaked and flat rows (a flat row's top-p takes the
+    histogram path), temperatures below and above 1, a greedy row and a row without truncation
+    beside them. Every row keeps the same tokens (bf16 logits tie often, so the tie rule is
+    exercised), with float32 rounding in the probabilities; the rows without truncation are
+    softmax_rows' to the bit."""
+    k, top_p, min_p = TRUNCATIONS[law]
+    gen = torch.Generator().manual_seed(21)
+    scale = torch.tensor([4.0, 4.0, 1.5, 0.8, 4.0, 3.0, 6.0, 4.0])[:, None]
+    logits = (torch.randn(8, 49152, generator=gen) * scale).to(dtype)
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.3, 0.0, 0.6, 1.0, 0.9])
+    top_k = torch.full((8,), k)
+    top_p = torch.full((8,), top_p)
+    min_p = torch.full((8,), min_p)
+    top_k[7], top_p[7], min_p[7] = 0, 1.0, 0.0  # no truncation on the last row
+    probs, lse, top = target_probs_and_lse(logits, temperature, top_k, top_p, min_p)
+    assert lse is not None
+    want = target_probs(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(probs > 0, want > 0)
+    assert torch.allclose(probs, want, rtol=5e-5, atol=1e-8)
+    assert probs[4].max() == 1 and top[4] == int(logits[4].float().argmax())
+    plain, plain_lse, _ = target_probs_and_lse(logits[7:], temperature[7:], top_k[7:] * 0, top_p[7:] * 0 + 1)
+    assert torch.equal(probs[7:], plain) and torch.equal(lse[7:], plain_lse)
+    assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-5)
 
 
 @pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
