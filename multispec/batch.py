@@ -1,8 +1,10 @@
 """``multispec batch``: n completions for every request of a JSONL file, here or on a Ray cluster.
 
 Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat, given the
-model's template), optionally ``n``, ``max_tokens``, ``temperature`` and ``seed`` overriding the
-command line's, and any ``id``; other keys are ignored. Each output line, in input order, holds
+model's template), optionally sampling fields overriding the command line's (``OVERRIDES``), and
+any ``id``; keys that would change the output in a way the engine does not offer (the server's
+``UNSUPPORTED``: penalties, beam search, guided decoding, ...) are refused unless they ask for
+nothing, and other keys are ignored. Each output line, in input order, holds
 the request's ``index`` (its line among the requests, from 0), its ``id`` when it had one, the
 completions (text, token count, finish reason) and the token usage. The whole file is checked
 before any model is loaded: a bad line is named, with one line on stderr and exit status 2.
@@ -18,10 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec
+from multispec.serve.schemas import UNSUPPORTED
 from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
 
-OVERRIDES = ("n", "max_tokens", "temperature", "seed")
+OVERRIDES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+             "seed")
 """Sampling fields a request may set for itself."""
 
 
@@ -82,6 +86,9 @@ def _request(line: str, index: int, params: SamplingParams, spec: SpecConfig) ->
         raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
     if ("prompt" in fields) == ("messages" in fields):
         raise ValueError("needs 'prompt' (text) or 'messages' (a chat), exactly one of them")
+    for name, value in fields.items():
+        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
+            raise ValueError(f"{name}={value!r}: not supported")
     request = {"index": index, "params": replace(params, **{k: fields[k] for k in OVERRIDES if k in fields})}
     spec.check_temperature(request["params"].temperature)
     if "id" in fields:

@@ -28,12 +28,13 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
         {"id": "first", "prompt": "Hello world", "seed": 3},
         "",
         {"messages": chat, "n": 3, "max_tokens": 4, "seed": 4, "answer": "ignored"},
-        {"id": 7, "prompt": "def f(x):", "temperature": 0},
+        {"id": 7, "prompt": "def f(x):", "temperature": 0, "presence_penalty": 0},
+        {"prompt": "Hello world", "seed": 3, "top_k": 1, "stop": ["o"]},
     )
     assert batch(successor_dir, requests, tmp_path / "out.jsonl", "--n", "2", "--max-tokens", "6") == 0
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["index"] for r in results] == [0, 1, 2] and [r.get("id") for r in results] == ["first", None, 7]
-    assert [len(r["completions"]) for r in results] == [2, 3, 2]
+    assert [r["index"] for r in results] == [0, 1, 2, 3] and [r.get("id") for r in results] == ["first", None, 7, None]
+    assert [len(r["completions"]) for r in results] == [2, 3, 2, 2]
     assert all(c["tokens"] <= 4 for c in results[1]["completions"])
     for result in results:
         usage = result["usage"]
@@ -43,7 +44,10 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     assert [c["text"] for c in results[1]["completions"]] == [c.text for c in expected.outputs]
     greedy = results[2]["completions"]
     assert greedy[0]["text"] == greedy[1]["text"]
-    assert "3 requests, 7 completions" in capsys.readouterr().err
+    top_one = tiny.generate(["Hello world"], SamplingParams(n=2, max_tokens=6, seed=3, top_k=1, stop=["o"]),
+                            use_tqdm=False)[0]
+    assert [c["text"] for c in results[3]["completions"]] == [c.text for c in top_one.outputs]
+    assert "4 requests, 9 completions" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [
@@ -56,6 +60,8 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     ({"prompt": "hi", "n": 0}, "line 2: n=0"),
     ({"prompt": "hi", "temperature": -1}, "line 2: temperature=-1"),
     ({"prompt": "hi", "seed": "one"}, "line 2: seed='one'"),
+    ({"prompt": "hi", "top_p": 0}, "line 2: top_p=0"), ({"prompt": "hi", "min_p": 2}, "line 2: min_p=2"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "line 2: presence_penalty=0.5: not supported"),
 ])
 def test_a_bad_line_is_named(line, message, tmp_path, capsys):
     requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)
