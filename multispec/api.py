@@ -108,7 +108,8 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Mapping | Sequence[Mapping],
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Mapping
+                 | Sequence[Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  spec: SpecConfig | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate ``n`` completions per prompt; prompts are text or token ids, or vLLM's dict

@@ -4,10 +4,10 @@ Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat,
 model's template), optionally sampling fields overriding the command line's (``OVERRIDES``), and
 any ``id``; keys that would change the output in a way the engine does not offer (the server's
 ``UNSUPPORTED``: penalties, beam search, guided decoding, ...) are refused unless they ask for
-nothing, and other keys are ignored. Each output line, in input order, holds
-the request's ``index`` (its line among the requests, from 0), its ``id`` when it had one, the
-completions (text, token count, finish reason) and the token usage. The whole file is checked
-before any model is loaded: a bad line is named, with one line on stderr and exit status 2.
+nothing, and other keys are ignored. Each output line, in input order, holds the request's
+``index`` (its line among the requests, from 0), its ``id`` when it had one, the completions
+(text, token count, finish reason) and the token usage. The whole file is checked before any
+model is loaded: a bad line is named, with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec
-from multispec.serve.schemas import UNSUPPORTED
 from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
+from multispec.serve.schemas import UNSUPPORTED
 
 OVERRIDES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
              "seed")

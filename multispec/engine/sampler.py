@@ -1,7 +1,7 @@
 """From logits to the target distribution p that sampling and verification both use.
 
-Temperature, min-p, top-k and top-p are applied per row (in that order, as vLLM does), so samples of different requests share one
-forward. Greedy rows (temperature 0) become one-hot at the argmax: every verification scheme
+Temperature, min-p, top-k and top-p are applied per row (in that order, as vLLM does), so
+samples of different requests share one forward. Greedy rows (temperature 0) become one-hot at the argmax: every verification scheme
 then reduces to exact greedy decoding without a special case.
 """
 

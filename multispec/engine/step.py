@@ -100,8 +100,8 @@ def sampling_rows(requests: list[Request], device: torch.device,
 
 
 def truncates(params) -> bool:
-    """Whether a request's law drops tokens besides its temperature (top-k, top-p or min-p): such
-    rows take the reference softmax, not the compiled one."""
+    """Whether a request's law drops tokens besides its temperature (top-k, top-p or min-p): a step
+    with such rows skips the fused draws (``softmax_draw``) for the truncating softmax."""
     return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
 
 

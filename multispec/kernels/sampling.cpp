@@ -122,7 +122,7 @@ float kth_largest(const float* x, int64_t n, int64_t k, TruncationScratch& s) {
   for (int64_t i = 0; i < n; ++i) ++s.counts[order_key(x[i]) >> KEY_SHIFT];
   int64_t above = 0;
   int64_t bin = BINS - 1;
-  for (; bin > 0 && above + s.counts[bin] < static_cast<uint32_t>(k); --bin) above += s.counts[bin];
+  for (; bin > 0 && above + s.counts[bin] < k; --bin) above += s.counts[bin];
   s.pool.clear();
   for (int64_t i = 0; i < n; ++i)
     if ((order_key(x[i]) >> KEY_SHIFT) == static_cast<uint32_t>(bin)) s.pool.push_back(x[i]);
@@ -131,12 +131,9 @@ float kth_largest(const float* x, int64_t n, int64_t k, TruncationScratch& s) {
   return s.pool[j];
 }
 
-// Top-p over non-negative weights e[0 .. n) (not normalised): the smallest weight tau such that
-// every token with e >= tau is kept, where a token is kept when the weights strictly above its own
-// sum to less than ``target`` (top_p times the row's total). Tokens of equal weight are kept or
-// dropped together. The bins' sums run in float64 over the positive weights' leading bits (their
-// bits order them); inside the threshold's bin the values are sorted.
-// The walk down the sorted pool (weights above ``above`` total ``above_mass``) to tau.
+// top_p_floor's last part: ``pool`` (the candidates, below weights that total ``above_mass``)
+// sorted, then walked down group of equal weights by group while the mass above stays below the
+// target; the last group entered gives tau.
 float walk_floor(std::vector<float>& pool, double above_mass, double target) {
   std::sort(pool.begin(), pool.end(), std::greater<float>());
   float tau = pool.front();
@@ -152,6 +149,12 @@ float walk_floor(std::vector<float>& pool, double above_mass, double target) {
   return tau;
 }
 
+// Top-p over non-negative weights e[0 .. n) (not normalised): the smallest weight tau such that
+// every token with e >= tau is kept, where a token is kept when the weights strictly above its own
+// sum to less than ``target`` (top_p times the row's total). Tokens of equal weight are kept or
+// dropped together. Where the tokens near the likeliest do not hold the target, the bins' sums run
+// in float64 over the positive weights' leading bits (their bits order them), and only the
+// threshold's bin is sorted.
 float top_p_floor(const float* e, int64_t n, double target, TruncationScratch& s) {
   // The likeliest weight is 1 (exp(0)); most rows hold top_p within a few octaves of it.
   for (const float cut : {0x1p-8f, 0x1p-16f, 0x1p-24f}) {
