@@ -1,4 +1,4 @@
-"""What a truncated sampling law costs: tokens/s with top-p, min-p and top-k against temperature alone.
+"""What a sampling law costs: tokens/s with top-p, min-p, top-k and penalties against temperature alone.
 
 Default model, GSM8K test questions in the chat template, temperature 0.7, max_tokens 256, all
 questions in one call (4 x n samples in flight), plain decoding; with ``--speculate`` also the
@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import CoreWait  # noqa: E402
 
 LAWS = {"temperature alone": {}, "top_p 0.95": {"top_p": 0.95}, "min_p 0.05": {"min_p": 0.05},
-        "top_k 20": {"top_k": 20}, "top_k 50, top_p 0.95": {"top_k": 50, "top_p": 0.95}}
+        "top_k 20": {"top_k": 20}, "top_k 50, top_p 0.95": {"top_k": 50, "top_p": 0.95},
+        "repetition_penalty 1.1": {"repetition_penalty": 1.1},
+        "frequency_penalty 0.5, presence_penalty 0.5": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
 
 
 def main() -> None:

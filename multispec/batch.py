@@ -3,7 +3,7 @@
 Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat, given the
 model's template), optionally sampling fields overriding the command line's (``OVERRIDES``), and
 any ``id``; keys that would change the output in a way the engine does not offer (the server's
-``UNSUPPORTED``: penalties, beam search, guided decoding, ...) are refused unless they ask for
+``UNSUPPORTED``: beam search, guided decoding, ...) are refused unless they ask for
 nothing, and other keys are ignored. Each output line, in input order, holds the request's
 ``index`` (its line among the requests, from 0), its ``id`` when it had one, the completions
 (text, token count, finish reason) and the token usage. The whole file is checked before any
@@ -24,8 +24,8 @@ from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
 from multispec.serve.schemas import UNSUPPORTED
 
-OVERRIDES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-             "seed")
+OVERRIDES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+             "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
 """Sampling fields a request may set for itself."""
 
 

@@ -44,6 +44,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
     parser.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="drop tokens less likely than this times the likeliest one (0 turns it off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide (or, below 0, multiply) the logits of tokens already in the text (1: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtract this times a token's count in the generated text (0: off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtract this from tokens already generated (0: off)")
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -74,7 +80,9 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
 
 def _sampling(args) -> SamplingParams:
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
 
 
 def _spec(args) -> SpecConfig:

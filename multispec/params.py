@@ -62,7 +62,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy, and so is any temperature below ``GREEDY_BELOW`` (as in vLLM).
     ``top_k`` 0 (or -1, as vLLM spells it) turns top-k off. ``min_p`` drops the tokens less likely
     than ``min_p`` times the likeliest one (0 turns it off); as in vLLM it applies after the
-    temperature and before top-k and top-p. ``logprobs`` asks for that many top
+    temperature and before top-k and top-p. ``repetition_penalty``, ``frequency_penalty`` and
+    ``presence_penalty`` penalise tokens of the text so far as vLLM does (before the temperature;
+    see ``multispec.engine.penalties``). ``logprobs`` asks for that many top
     log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
     ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
     random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
@@ -74,6 +76,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     max_tokens: int = 16
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -92,6 +97,11 @@ class SamplingParams:
             self.top_k = 0
         self.top_k = check_int("top_k", self.top_k, 0)
         self.min_p = check_real("min_p", self.min_p, "must be a number in [0, 1]", lambda p: 0 <= p <= 1)
+        self.repetition_penalty = check_real("repetition_penalty", self.repetition_penalty,
+                                             "must be a finite number > 0 (1 turns it off)", lambda p: p > 0)
+        for name in ("frequency_penalty", "presence_penalty"):
+            setattr(self, name, check_real(name, getattr(self, name), "must be a number in [-2, 2] (0 turns it off)",
+                                           lambda p: -2 <= p <= 2))
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):

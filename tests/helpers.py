@@ -4,11 +4,15 @@ They run on the model's device and hand logits back on the CPU, where the tests 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from multispec.engine.attention import DecodeAttention, PrefillAttention, StepLayout
 from multispec.engine.cache import CacheShape, KVCache
+from multispec.engine.penalties import penalized
 from multispec.engine.sampler import target_probs
+from multispec.params import SamplingParams
 from multispec.verify.sampling import TOKEN, PositionKeys, sample_key
 
 
@@ -67,15 +71,19 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
 
 
 def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
-                top_p: float = 1.0, min_p: float = 0.0) -> dict:
+                top_p: float = 1.0, min_p: float = 0.0, **penalties) -> dict:
     """Every token sequence of ``length`` whose exact probability under the sampling law (the
-    temperature, and top-k, top-p and min-p where given) is at least ``threshold``, found by
-    expanding prefixes with plain prefill forwards."""
+    temperature, top-k, top-p and min-p where given, and the penalties ``penalties`` names, applied
+    to each prefix's text) is at least ``threshold``, found by expanding prefixes with plain prefill
+    forwards."""
+    request = SimpleNamespace(params=SamplingParams(**penalties))
     cells = {(): 1.0}
     for _ in range(length):
         grown = {}
         for prefix, mass in cells.items():
             logits = last_logits(llm, prompt_ids + list(prefix))[None]
+            if penalties:
+                logits = penalized(logits, [request], [prompt_ids], [list(prefix)])
             probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
                                  torch.tensor([min_p]))[0]
             top = probs.topk(64)

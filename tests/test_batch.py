@@ -28,7 +28,7 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
         {"id": "first", "prompt": "Hello world", "seed": 3},
         "",
         {"messages": chat, "n": 3, "max_tokens": 4, "seed": 4, "answer": "ignored"},
-        {"id": 7, "prompt": "def f(x):", "temperature": 0, "presence_penalty": 0},
+        {"id": 7, "prompt": "def f(x):", "temperature": 0, "use_beam_search": False},
         {"prompt": "Hello world", "seed": 3, "top_k": 1, "stop": ["o"]},
     )
     assert batch(successor_dir, requests, tmp_path / "out.jsonl", "--n", "2", "--max-tokens", "6") == 0
@@ -61,7 +61,8 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     ({"prompt": "hi", "temperature": -1}, "line 2: temperature=-1"),
     ({"prompt": "hi", "seed": "one"}, "line 2: seed='one'"),
     ({"prompt": "hi", "top_p": 0}, "line 2: top_p=0"), ({"prompt": "hi", "min_p": 2}, "line 2: min_p=2"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "line 2: presence_penalty=0.5: not supported"),
+    ({"prompt": "hi", "use_beam_search": True}, "line 2: use_beam_search=True: not supported"),
+    ({"prompt": "hi", "frequency_penalty": 3}, "line 2: frequency_penalty=3"),
 ])
 def test_a_bad_line_is_named(line, message, tmp_path, capsys):
     requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)

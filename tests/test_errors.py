@@ -24,6 +24,8 @@ SAMPLING_BAD = [
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", "1"),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan), ("min_p", None),
+    ("repetition_penalty", 0.0), ("repetition_penalty", math.inf), ("frequency_penalty", 2.5),
+    ("presence_penalty", -3), ("presence_penalty", "1"),
     ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", None),
     ("stop", [""]), ("stop", 5), ("stop", [1]), ("stop", ""),
     ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),

@@ -34,6 +34,7 @@ from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
                                    verify)
+from multispec.engine.penalties import penalized, penalizes
 from multispec.engine.sampler import target_probs
 from multispec.models.draft_head import DraftHead
 from multispec.models.draft_lm import DraftLM, check_window, is_checkpoint, load_draft_lm
@@ -340,7 +341,10 @@ class LLMEngine:
         attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
         hidden = self.model.hidden_states(token_ids, positions, attention)[last_rows]
         logits = self.model.logits(hidden)
-        probs = target_probs(logits, *sampling_rows(requests, self.device))
+        scored = logits
+        if any(penalizes(r.params) for r in requests):  # the prompt alone (repetition)
+            scored = penalized(logits, requests, [r.prompt_ids for r in requests], [[] for _ in requests])
+        probs = target_probs(scored, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
         now = time.monotonic()
         for row, request in enumerate(requests):

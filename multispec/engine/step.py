@@ -16,6 +16,7 @@ from multispec.drafters import DraftTree
 from multispec.engine.attention import StepLayout
 from multispec.engine.cache import KVCache
 from multispec.engine.request import Request, Sample
+from multispec.engine.penalties import penalized, penalizes, step_histories
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
 from multispec.verify.sampling import TOKEN, derive, keyed_uniforms, sample_rows
@@ -119,16 +120,21 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(truncates(r.params) for r in requests)
-    if alternatives[0] <= 0 and not truncated and not any(tree.tokens for tree in trees):
+    penalties = any(penalizes(r.params) for r in requests)
+    fused = not (truncated or penalties)
+    if alternatives[0] <= 0 and fused and not any(tree.tokens for tree in trees):
         drawn = _draw_plain(step, logits, requests)
         if drawn is not None:
             return drawn
-    if not truncated and all(r.scheme == "deterministic" for r in requests):
+    if fused and all(r.scheme == "deterministic" for r in requests):
         drawn = _draw_copied(step, logits, requests, counts, alternatives)
         if drawn is not None:
             return drawn
-    probs, step.logsumexp, greedy_tokens = target_probs_and_lse(logits, *sampling_rows(requests, device, counts),
+    scored = penalized(logits, *step_histories(samples, trees)) if penalties else logits
+    probs, step.logsumexp, greedy_tokens = target_probs_and_lse(scored, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
+    if penalties:
+        step.logsumexp = None  # log-probabilities are the raw logits' (commit takes their log-softmax)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):
         groups.setdefault(sample.request.scheme, []).append(b)

@@ -16,11 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
-    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
     "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "prompt_logprobs": (),
     "truncate_prompt_tokens": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -48,6 +47,9 @@ class GenerationRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -154,6 +154,39 @@ def test_copied_drafts_under_truncated_laws_return_the_plain_samples(successor, 
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
 
 
+PENALTY_LAWS = {"repetition": {"repetition_penalty": 1.5},
+                "all three": {"repetition_penalty": 1.2, "frequency_penalty": 1.5, "presence_penalty": 1.0}}
+
+
+@pytest.mark.parametrize("law", PENALTY_LAWS)
+@pytest.mark.parametrize("drafter,sampled", [("consensus", True), ("model", False), ("hybrid", True)])
+def test_penalties_hold_under_speculation(successor, drafter, sampled, law):
+    """Penalties make each row's law depend on the text before it, a draft node's path included:
+    the first three tokens follow the exact penalised law under sampled, drawn and copied-beside-
+    drawn drafts. The penalised law moves more than a tenth of the plain law's mass, which a step
+    that ignored the penalty would show at once."""
+    llm, prompt, plain_cells = successor
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004, **PENALTY_LAWS[law])
+    moved = sum(abs(cells.get(k, 0.0) - plain_cells.get(k, 0.0)) for k in set(cells) | set(plain_cells)) / 2
+    assert moved > 0.1
+    spec = configure(drafter, sampled, "auto", "tree")
+    assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **PENALTY_LAWS[law])
+
+
+@pytest.mark.parametrize("law", PENALTY_LAWS)
+def test_copied_drafts_under_penalties_return_the_plain_samples(successor, law):
+    """Seeded copied drafts (trees 2 deep) give the seeded plain samples token for token over 8
+    tokens, so every draft row was penalised with its own path's text."""
+    llm, prompt, _ = successor
+    spec = configure("consensus", False, "auto", "tree")
+    sampling = SamplingParams(n=200, temperature=TEMPERATURE, max_tokens=8, ignore_eos=True, seed=7,
+                              **PENALTY_LAWS[law])
+    plain = llm.generate([prompt], sampling, SpecConfig(), use_tqdm=False)[0]
+    got = llm.generate([prompt], sampling, spec, use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 100
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
+
+
 def test_the_walk_refuses_exactly_the_inexact_pairings():
     """What the walk above must see refused, written out from the schemes' assumptions: a rule that
     reads q cannot verify copied drafts; without replacement and single-draft rules do not fit

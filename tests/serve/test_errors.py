@@ -28,7 +28,8 @@ BAD_COMPLETIONS = [
     ({"prompt": None}, "prompt"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"speculation": {"drafter": "oracle"}}, "speculation"), ({"speculation": {"depth": 3}}, "speculation"),
     ({"speculation": {"scheme": "greedy"}, "temperature": 1.0}, "speculation"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 3}, "min_tokens"), ({"echo": True}, "echo"),
     ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ]
