@@ -30,11 +30,11 @@ from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
+from multispec.engine.penalties import penalized, penalizes
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
                                    verify)
-from multispec.engine.penalties import penalized, penalizes
 from multispec.engine.sampler import target_probs
 from multispec.models.draft_head import DraftHead
 from multispec.models.draft_lm import DraftLM, check_window, is_checkpoint, load_draft_lm

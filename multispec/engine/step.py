@@ -15,8 +15,8 @@ import torch
 from multispec.drafters import DraftTree
 from multispec.engine.attention import StepLayout
 from multispec.engine.cache import KVCache
-from multispec.engine.request import Request, Sample
 from multispec.engine.penalties import penalized, penalizes, step_histories
+from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
 from multispec.verify.sampling import TOKEN, derive, keyed_uniforms, sample_rows
