@@ -22,7 +22,7 @@ from pathlib import Path
 from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec
 from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
-from multispec.serve.schemas import UNSUPPORTED
+from multispec.serve.schemas import unsupported
 
 OVERRIDES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
              "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
@@ -86,9 +86,9 @@ def _request(line: str, index: int, params: SamplingParams, spec: SpecConfig) ->
         raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
     if ("prompt" in fields) == ("messages" in fields):
         raise ValueError("needs 'prompt' (text) or 'messages' (a chat), exactly one of them")
-    for name, value in fields.items():
-        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
-            raise ValueError(f"{name}={value!r}: not supported")
+    name = unsupported(fields)
+    if name is not None:
+        raise ValueError(f"{name}={fields[name]!r}: not supported")
     request = {"index": index, "params": replace(params, **{k: fields[k] for k in OVERRIDES if k in fields})}
     spec.check_temperature(request["params"].temperature)
     if "id" in fields:

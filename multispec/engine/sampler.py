@@ -60,29 +60,29 @@ def target_probs_and_lse(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     None and None elsewhere. ``logits`` may be in the model's dtype: the kernel reads bf16
     directly. ``truncated`` (some row has top-k, top-p or min-p): where the caller knows it, the
     parameter tensors are not searched for it."""
-    op = _compiled_softmax(logits)
     if truncated is None:
         truncated = (bool((top_k > 0).any()) or bool((top_p < 1).any())
                      or (min_p is not None and bool((min_p > 0).any())))
+    op = _compiled_softmax(logits, truncated)
     if op is None:
         return target_probs(logits, temperature, top_k, top_p, min_p), None, None
-    if truncated:
-        from multispec import kernels
-
-        log_min_p = (torch.full_like(top_p, float("-inf"), dtype=torch.float32) if min_p is None
-                     else torch.log(min_p.float()))
-        return kernels.softmax_truncated()(logits.contiguous(), temperature.to(torch.float32).contiguous(),
-                                           top_k.to(torch.long).contiguous(), top_p.to(torch.float32).contiguous(),
-                                           log_min_p.contiguous())
-    return op(logits.contiguous(), temperature.to(torch.float32).contiguous())
+    temperature = temperature.to(torch.float32).contiguous()
+    if not truncated:
+        return op(logits.contiguous(), temperature)
+    log_min_p = (torch.full_like(top_p, float("-inf"), dtype=torch.float32) if min_p is None
+                 else torch.log(min_p.float()))
+    return op(logits.contiguous(), temperature, top_k.to(torch.long).contiguous(),
+              top_p.to(torch.float32).contiguous(), log_min_p.contiguous())
 
 
-def _compiled_softmax(logits: torch.Tensor):
+def _compiled_softmax(logits: torch.Tensor, truncated: bool):
+    """The compiled CPU softmax for these logits (``softmax_truncated`` where some row truncates),
+    or None where it does not run."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return None
     from multispec import kernels
 
-    return kernels.softmax_rows()
+    return kernels.softmax_truncated() if truncated else kernels.softmax_rows()
 
 
 def _one_hot_greedy(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor) -> None:

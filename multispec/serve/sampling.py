@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 
 from multispec.params import SamplingParams, SpecConfig
 from multispec.serve.errors import from_value_error, invalid
-from multispec.serve.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
+from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
+                                     unsupported)
 
 log = logging.getLogger("multispec.serve")
 
@@ -138,9 +139,9 @@ def _check_extra_fields(request: GenerationRequest) -> None:
     """Log the fields nobody declared and ignore them, as vLLM does; refuse those that would change
     the output in a way the engine does not offer."""
     extra = request.model_extra or {}
-    for name, value in extra.items():
-        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
-            raise invalid(name, f"{name}={value!r}: not supported by this server")
+    name = unsupported(extra)
+    if name is not None:
+        raise invalid(name, f"{name}={extra[name]!r}: not supported by this server")
     ignored = sorted(set(extra) - set(UNSUPPORTED))
     if ignored:
         log.warning("ignoring unknown request fields: %s", ", ".join(ignored))

@@ -30,6 +30,13 @@ UNSUPPORTED: dict[str, tuple] = {
 that ask for nothing (None always does; an empty tuple: only None)."""
 
 
+def unsupported(fields: dict[str, Any]) -> str | None:
+    """The first of ``fields`` that asks for something in ``UNSUPPORTED`` (the server and
+    ``multispec batch`` refuse it), or None."""
+    return next((name for name, value in fields.items()
+                 if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]), None)
+
+
 def _omit_none():
     return Field(default=None, exclude_if=lambda value: value is None)
 
