@@ -195,7 +195,7 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
 
 def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> list[Verified] | None:
     """A step without drafts whose probabilities nobody reads but each drawn token's (no drafter
-    asks for alternatives, no top-k or top-p): each sample's token drawn in the compiled softmax's
+    asks for alternatives, no truncation or penalty): each sample's token drawn in the compiled softmax's
     own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
     (``softmax_rows`` then ``sample_rows``: the same code, bit for bit) without the [rows,
     vocabulary] probabilities written and read back. None where the kernel does not run here."""
