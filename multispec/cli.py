@@ -51,6 +51,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
     parser.add_argument("--presence-penalty", type=float, default=0.0,
                         help="subtract this from tokens already generated (0: off)")
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="no stop token or stop string before a sample has this many tokens (default: 0)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
@@ -82,7 +84,7 @@ def _sampling(args) -> SamplingParams:
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed, stop=args.stop)
 
 
 def _spec(args) -> SpecConfig:

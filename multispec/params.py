@@ -64,7 +64,9 @@ class SamplingParams:
     than ``min_p`` times the likeliest one (0 turns it off); as in vLLM it applies after the
     temperature and before top-k and top-p. ``repetition_penalty``, ``frequency_penalty`` and
     ``presence_penalty`` penalise tokens of the text so far as vLLM does (before the temperature;
-    see ``multispec.engine.penalties``). ``logprobs`` asks for that many top
+    see ``multispec.engine.penalties``). ``min_tokens``: the stop tokens (end of sequence unless
+    ``ignore_eos``, and ``stop_token_ids``) get no probability and stop strings are not looked
+    for until a sample has that many tokens, as in vLLM. ``logprobs`` asks for that many top
     log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
     ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
     random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
@@ -80,6 +82,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -103,6 +106,9 @@ class SamplingParams:
             setattr(self, name, check_real(name, getattr(self, name), "must be a number in [-2, 2] (0 turns it off)",
                                            lambda p: -2 <= p <= 2))
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be at most max_tokens={self.max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
             raise _bad("stop", self.stop, "must be a non-empty string or a list of them")

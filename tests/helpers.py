@@ -71,19 +71,27 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
 
 
 def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
-                top_p: float = 1.0, min_p: float = 0.0, **penalties) -> dict:
+                top_p: float = 1.0, min_p: float = 0.0, stop_token_ids: tuple = (), min_tokens: int = 0,
+                **penalties) -> dict:
     """Every token sequence of ``length`` whose exact probability under the sampling law (the
     temperature, top-k, top-p and min-p where given, and the penalties ``penalties`` names, applied
     to each prefix's text) is at least ``threshold``, found by expanding prefixes with plain prefill
-    forwards."""
+    forwards. ``stop_token_ids`` end a sequence (it keeps its mass, shorter), except before
+    ``min_tokens`` tokens, where they get no probability."""
     request = SimpleNamespace(params=SamplingParams(**penalties))
     cells = {(): 1.0}
     for _ in range(length):
         grown = {}
         for prefix, mass in cells.items():
+            if prefix and prefix[-1] in stop_token_ids:
+                grown[prefix] = mass
+                continue
             logits = last_logits(llm, prompt_ids + list(prefix))[None]
             if penalties:
                 logits = penalized(logits, [request], [prompt_ids], [list(prefix)])
+            if len(prefix) < min_tokens:
+                logits = logits.clone()
+                logits[0, list(stop_token_ids)] = float("-inf")
             probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
                                  torch.tensor([min_p]))[0]
             top = probs.topk(64)

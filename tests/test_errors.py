@@ -27,6 +27,7 @@ SAMPLING_BAD = [
     ("repetition_penalty", 0.0), ("repetition_penalty", math.inf), ("frequency_penalty", 2.5),
     ("presence_penalty", -3), ("presence_penalty", "1"),
     ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", None),
+    ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", None), ("min_tokens", 17),  # max_tokens is 16
     ("stop", [""]), ("stop", 5), ("stop", [1]), ("stop", ""),
     ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
     ("ignore_eos", "no"), ("ignore_eos", 1),
@@ -213,6 +214,7 @@ CLI_BAD = [
     (["generate", "--prompt", "hi", "--top-k", "-3"], "top_k=-3"),
     (["generate", "--prompt", "hi", "--min-p", "2"], "min_p=2"),
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens=0"),
+    (["generate", "--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens=5: must be at most max_tokens=4"),
     (["generate", "--prompt", "hi", "--seed", str(2**64)], f"seed={2**64}"),
     (["generate", "--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
     (["generate", "--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),

@@ -30,7 +30,7 @@ from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
-from multispec.engine.penalties import penalized, penalizes
+from multispec.engine.penalties import held_stops, holds_stops, penalized, penalizes, without
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
@@ -344,6 +344,9 @@ class LLMEngine:
         scored = logits
         if any(penalizes(r.params) for r in requests):  # the prompt alone (repetition)
             scored = penalized(logits, requests, [r.prompt_ids for r in requests], [[] for _ in requests])
+        if any(holds_stops(r, 0) for r in requests):  # min_tokens: no stop as the first token
+            scored = without(scored, held_stops(requests, [0] * len(requests), [()] * len(requests),
+                                                range(len(requests)), logits.shape[-1]))
         probs = target_probs(scored, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties, as vLLM applies them, on each row of a step.
+"""The rules that make a row's law depend on the text before it, as vLLM applies them, on each row
+of a step: repetition, frequency and presence penalties, and ``min_tokens``.
 
 A row's logits are penalised by the text before its position: the prompt and the sample's
 generated tokens, and for a draft node's row the draft tokens on its path from the root. With the
@@ -13,6 +14,10 @@ The penalised logits then go through temperature, min-p, top-k and top-p as usua
 row carries exactly the text its position follows, a draft node's row gets the law that plain
 decoding would give that position had the path been sampled, so verification stays exact; the
 log-probabilities reported stay those of the raw logits, as in vLLM.
+
+``min_tokens`` holds back the stops: a row whose position comes before the request's
+``min_tokens``-th generated token (the sample's output and the draft path counted) gets no
+probability on the request's stop tokens, so a draft that ends a sample early is simply rejected.
 """
 
 from __future__ import annotations
@@ -82,3 +87,40 @@ def step_histories(samples: Sequence, trees: Sequence) -> tuple[list, list, list
             prompts.append(request.prompt_ids if own else ())
             generated.append(out + path if own else ())
     return requests, prompts, generated
+
+
+def holds_stops(request, generated: int) -> bool:
+    """Whether the next token of a sample of ``request`` with ``generated`` tokens may not end it
+    yet (fewer than ``min_tokens``): only then do its rows need ``held_stops``."""
+    return generated < request.params.min_tokens and bool(request.stop_ids)
+
+
+def held_stops(requests: Sequence, generated: Sequence[int], parents: Sequence[Sequence[int]],
+               row_offsets: Sequence[int], vocab: int) -> torch.Tensor | None:
+    """Flat indices (row x vocab + token) of a step's logits that ``min_tokens`` holds back. Sample
+    b belongs to ``requests[b]``, has ``generated[b]`` tokens and its draft tree's ``parents[b]``
+    (-1: the root), its rows starting at ``row_offsets[b]``. Held: each stop token of a row whose
+    tokens so far (the sample's, then the draft path to the row's node) number fewer than the
+    request's ``min_tokens``. None where nothing is held."""
+    keys: list[int] = []
+    for request, count, tree, offset in zip(requests, generated, parents, row_offsets):
+        left = request.params.min_tokens - count  # rows less deep than this hold the stops back
+        if left <= 0 or not request.stop_ids:
+            continue
+        depths = [0]
+        for parent in tree:
+            depths.append(depths[parent + 1] + 1)
+        stops = sorted(t for t in request.stop_ids if t < vocab)
+        keys += [(offset + row) * vocab + token for row, depth in enumerate(depths) if depth < left for token in stops]
+    return torch.tensor(keys, dtype=torch.long) if keys else None
+
+
+def without(logits: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits with the flat entries ``keys`` set to -inf (a copy where that writes)."""
+    if keys is None:
+        return logits
+    scored = logits.float()
+    if scored is logits:
+        scored = scored.clone()
+    scored.view(-1)[keys.to(scored.device)] = float("-inf")
+    return scored

@@ -76,7 +76,7 @@ class Sample:
                     entry[token] = token_logprobs[i]
                 self.logprobs.append(entry)
             added += 1
-            if self.stream is not None and self._extend_text(self.stream(token)):
+            if self.stream is not None and self._extend_text(self.stream(token), len(self.output_ids) > sp.min_tokens):
                 break
             if token in request.stop_ids:
                 self.finish("stop", None if token in request.eos_ids else token)
@@ -85,11 +85,12 @@ class Sample:
             self.finish("length")
         return added
 
-    def _extend_text(self, piece: str) -> bool:
-        """Extend the text by ``piece``; on a stop string, cut the text there, finish and say so."""
+    def _extend_text(self, piece: str, stops: bool = True) -> bool:
+        """Extend the text by ``piece``; on a stop string (looked for where ``stops``: not while
+        ``min_tokens`` holds them back, as in vLLM), cut the text there, finish and say so."""
         start = max(0, len(self.text) - self.request.longest_stop + 1)
         self.text += piece
-        if not piece or not self.request.params.stop:
+        if not piece or not stops or not self.request.params.stop:
             return False
         hits = [(at, stop) for stop in self.request.params.stop if (at := self.text.find(stop, start)) >= 0]
         if not hits:

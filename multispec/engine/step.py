@@ -15,7 +15,7 @@ import torch
 from multispec.drafters import DraftTree
 from multispec.engine.attention import StepLayout
 from multispec.engine.cache import KVCache
-from multispec.engine.penalties import penalized, penalizes, step_histories
+from multispec.engine.penalties import held_stops, holds_stops, penalized, penalizes, step_histories, without
 from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
@@ -121,7 +121,11 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # on the parameter tensors.
     truncated = any(truncates(r.params) for r in requests)
     penalties = any(penalizes(r.params) for r in requests)
-    fused = not (truncated or penalties)
+    held = None
+    if any(holds_stops(s.request, len(s.output_ids)) for s in samples):  # min_tokens
+        held = held_stops(requests, [len(s.output_ids) for s in samples], [t.parents for t in trees],
+                          step.row_offsets, logits.shape[-1])
+    fused = not (truncated or penalties or held is not None)
     if alternatives[0] <= 0 and fused and not any(tree.tokens for tree in trees):
         drawn = _draw_plain(step, logits, requests)
         if drawn is not None:
@@ -130,10 +134,10 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         drawn = _draw_copied(step, logits, requests, counts, alternatives)
         if drawn is not None:
             return drawn
-    scored = penalized(logits, *step_histories(samples, trees)) if penalties else logits
+    scored = without(penalized(logits, *step_histories(samples, trees)) if penalties else logits, held)
     probs, step.logsumexp, greedy_tokens = target_probs_and_lse(scored, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
-    if penalties:
+    if scored is not logits:
         step.logsumexp = None  # log-probabilities are the raw logits' (commit takes their log-softmax)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):

@@ -19,7 +19,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
-    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+    "use_beam_search": (False,), "length_penalty": (1,),
     "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "prompt_logprobs": (),
     "truncate_prompt_tokens": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -58,6 +58,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     max_tokens: int | None = None
+    min_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None

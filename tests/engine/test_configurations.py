@@ -187,6 +187,40 @@ def test_copied_drafts_under_penalties_return_the_plain_samples(successor, law):
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
 
 
+def held_law(cells, min_tokens: int) -> dict:
+    """``min_tokens`` with the likeliest third token as the stop: held back at the root row of the
+    step after the prefill and at the first draft nodes' rows, where it is likeliest."""
+    return {"stop_token_ids": [max(cells, key=cells.get)[2]], "min_tokens": min_tokens}
+
+
+@pytest.mark.parametrize("drafter,sampled", [("consensus", True), ("model", False), ("hybrid", True)])
+def test_min_tokens_holds_under_speculation(successor, drafter, sampled):
+    """min_tokens takes the stops' probability from every row less deep than it, a draft node's
+    row by its path: the first three tokens (none of them the stop) follow the exact law, which
+    moves more than a tenth of the plain law's mass."""
+    llm, prompt, plain_cells = successor
+    law = held_law(plain_cells, LENGTH)
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004, **law)
+    moved = sum(abs(cells.get(k, 0.0) - plain_cells.get(k, 0.0)) for k in set(cells) | set(plain_cells)) / 2
+    assert moved > 0.1
+    spec = configure(drafter, sampled, "auto", "tree")
+    assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **law)
+
+
+def test_copied_drafts_under_min_tokens_return_the_plain_samples(successor):
+    """Seeded copied drafts give the seeded plain samples token for token, with no stop among the
+    first ``min_tokens`` tokens and samples ending at a stop after them."""
+    llm, prompt, cells = successor
+    law = held_law(cells, 4)
+    sampling = SamplingParams(n=200, temperature=TEMPERATURE, max_tokens=10, ignore_eos=True, seed=7, **law)
+    plain = llm.generate([prompt], sampling, SpecConfig(), use_tqdm=False)[0]
+    got = llm.generate([prompt], sampling, configure("consensus", False, "auto", "tree"), use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 100
+    assert {c.finish_reason for c in plain.outputs} == {"stop", "length"}
+    assert not any(set(c.token_ids[:4]) & set(law["stop_token_ids"]) for c in plain.outputs)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
+
+
 def test_the_walk_refuses_exactly_the_inexact_pairings():
     """What the walk above must see refused, written out from the schemes' assumptions: a rule that
     reads q cannot verify copied drafts; without replacement and single-draft rules do not fit

@@ -92,6 +92,38 @@ def test_stop_string_and_stop_token(llm):
     assert out[0].outputs[0].token_ids == first[:2] and out[0].outputs[0].finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
+    """As in vLLM: before a sample has ``min_tokens`` tokens its stop tokens get no probability (so
+    greedy takes the next likeliest token) and stop strings are not looked for; after, both stop."""
+    prompt = "Count: 1, 2, 3,"
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert first.text.count(",") >= 3
+    for at in (0, 1):  # the prompt's row, then a step's
+        held = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first.token_ids[at]], min_tokens=at + 1)
+        for spec in (None, SpecConfig(drafter="ngram", adaptive=False)):
+            out = llm.generate(prompt, held, spec)[0].outputs[0]
+            assert out.token_ids[:at] == first.token_ids[:at] and out.token_ids[at] != first.token_ids[at]
+            assert first.token_ids[at] not in out.token_ids[:at + 1] and len(out.token_ids) > at + 1
+    # The first comma completes at token k: with min_tokens = k the stop string waits for the next one.
+    k = next(i for i in range(1, 31) if "," in llm.tokenizer.decode(first.token_ids[:i]))
+    at = len(llm.tokenizer.decode(first.token_ids[:k]))
+    for spec in (None, SpecConfig(drafter="ngram", adaptive=False)):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[","], min_tokens=k), spec)[0]
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop" and completion.text == first.text[:first.text.index(",", at)]
+
+
+def test_min_tokens_holds_back_the_end_of_a_chat_answer(llm):
+    chat = [{"role": "user", "content": "Say hello."}]
+    short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 40
+    held = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=64, min_tokens=len(short.token_ids) + 8)
+    for spec in (None, SpecConfig()):
+        for completion in llm.chat(chat, held, spec)[0].outputs:
+            assert len(completion.token_ids) >= held.min_tokens
+            assert not set(completion.token_ids[:held.min_tokens]) & set(llm.tokenizer.eos_token_ids)
+
+
 def test_eos_stops_a_chat_answer(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(n=2, temperature=0, max_tokens=64))
     completion = out[0].outputs[0]

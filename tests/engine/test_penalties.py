@@ -1,4 +1,5 @@
-"""Penalties on a step's rows: each row penalised by its own text (prompt, output, draft path)."""
+"""Penalties and min_tokens on a step's rows: each row ruled by its own text (prompt, output, draft
+path)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from multispec import SamplingParams
-from multispec.engine.penalties import penalized, step_histories
+from multispec.engine.penalties import held_stops, holds_stops, penalized, step_histories, without
 
 
 def request(prompt, **params):
@@ -38,3 +39,23 @@ def test_penalties_as_vllm_applies_them():
     assert torch.equal(out[0], torch.tensor([1.0, -2.0, 1.5, 0.5, -2.0, 1.0]))
     assert torch.equal(out[1], torch.tensor([2.0, -1.0, 3.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, -2.0, 1.0]))
     assert torch.equal(out[2], logits[2])  # no penalty: the raw row
+
+
+def test_min_tokens_holds_the_stops_of_rows_before_it():
+    """A sample with 1 token and min_tokens 3: its root (depth 0) and first-level nodes (depth 1)
+    hold the stops, deeper nodes do not; a stop id past the vocabulary is skipped; a sample past
+    its min_tokens holds nothing."""
+    vocab = 6
+    held = SimpleNamespace(params=SamplingParams(min_tokens=3), stop_ids=frozenset({2, 4, 9}))
+    free = SimpleNamespace(params=SamplingParams(min_tokens=1), stop_ids=frozenset({2}))
+    assert holds_stops(held, 1) and not holds_stops(free, 1)
+    assert not holds_stops(SimpleNamespace(params=SamplingParams(min_tokens=3), stop_ids=frozenset()), 0)
+    # sample 0: root, node 0 (depth 1), node 1 under node 0 (depth 2), node 2 (depth 1); sample 1 after it
+    keys = held_stops([held, free], [1, 1], [[-1, 0, -1], [-1]], [0, 4], vocab)
+    assert sorted(keys.tolist()) == [0 * vocab + 2, 0 * vocab + 4, 1 * vocab + 2, 1 * vocab + 4, 3 * vocab + 2,
+                                     3 * vocab + 4]
+    assert held_stops([free], [1], [[-1]], [0], vocab) is None
+    logits = torch.zeros(6, vocab, dtype=torch.bfloat16)
+    out = without(logits, keys)
+    assert out.dtype == torch.float32 and torch.isinf(out).sum() == 6 and out[0, 2] == float("-inf")
+    assert not torch.isinf(logits.float()).any()  # the step's logits themselves untouched

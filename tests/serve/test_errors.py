@@ -29,7 +29,7 @@ BAD_COMPLETIONS = [
     ({"speculation": {"drafter": "oracle"}}, "speculation"), ({"speculation": {"depth": 3}}, "speculation"),
     ({"speculation": {"scheme": "greedy"}, "temperature": 1.0}, "speculation"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 3}, "min_tokens"), ({"echo": True}, "echo"),
+    ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"), ({"echo": True}, "echo"),
     ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ]

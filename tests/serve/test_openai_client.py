@@ -117,6 +117,12 @@ def test_stop_strings_and_stop_token_ids(client, tiny):
     choice = got.choices[0]
     assert choice.text == want.text[:want.text.index(stop)]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    # min_tokens past that stop: the server's sample is LLM.generate's, longer than the stopped one
+    held = got.usage.completion_tokens + 1
+    got = client.completions.create(stop=[stop], extra_body={"ignore_eos": True, "min_tokens": held}, **base)
+    expected = tiny.generate([PROMPT], SamplingParams(temperature=0.9, max_tokens=30, seed=2, ignore_eos=True,
+                                                      stop=[stop], min_tokens=held), use_tqdm=False)[0].outputs[0]
+    assert got.choices[0].text == expected.text and got.usage.completion_tokens == len(expected.token_ids) >= held
 
 
 @pytest.mark.parametrize("stream", [False, True])
