@@ -24,8 +24,8 @@ from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
 from multispec.serve.schemas import unsupported
 
-OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-             "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
+OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
 """Sampling fields a request may set for itself."""
 
 
