@@ -55,6 +55,24 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
+def _logit_bias(bias) -> dict[int, float] | None:
+    """``logit_bias`` as {token id: float}: keys are ids >= 0 (ints, or their decimal strings as
+    JSON writes them), values finite numbers in [-100, 100]; None or {} for none."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", bias, "must be a mapping {token id: bias in [-100, 100]}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
+            raise _bad("logit_bias", bias, f"key {key!r} is not a token id >= 0")
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or abs(value) > 100:
+            raise _bad("logit_bias", bias, f"the bias of token {key} must be a number in [-100, 100]")
+        out[int(token)] = float(value)
+    return out or None
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, named as in vLLM.
@@ -66,7 +84,12 @@ class SamplingParams:
     ``presence_penalty`` penalise tokens of the text so far as vLLM does (before the temperature;
     see ``multispec.engine.penalties``). ``min_tokens``: the stop tokens (end of sequence unless
     ``ignore_eos``, and ``stop_token_ids``) get no probability and stop strings are not looked
-    for until a sample has that many tokens, as in vLLM. ``logprobs`` asks for that many top
+    for until a sample has that many tokens, as in vLLM. ``logit_bias`` ({token id: bias in
+    [-100, 100]}) is added to those tokens' logits; ``allowed_token_ids`` leaves only those
+    tokens any probability (both as vLLM applies them, before the penalties and the temperature;
+    see ``multispec.engine.rules``). The text: a stop string is cut off unless
+    ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
+    False. ``logprobs`` asks for that many top
     log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
     ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
     random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
@@ -86,6 +109,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
     logprobs: int | None = None
 
@@ -119,6 +146,14 @@ class SamplingParams:
             raise _bad("stop_token_ids", ids, "must be a list of token ids >= 0")
         self.stop_token_ids = [int(t) for t in ids or []]
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.include_stop_str_in_output = check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or not all(
+                isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in allowed)):
+            raise _bad("allowed_token_ids", allowed, "must be a non-empty list of token ids >= 0 (or None)")
+        self.allowed_token_ids = None if allowed is None else sorted({int(t) for t in allowed})
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
 

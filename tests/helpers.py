@@ -72,12 +72,13 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
 
 def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
                 top_p: float = 1.0, min_p: float = 0.0, stop_token_ids: tuple = (), min_tokens: int = 0,
-                **penalties) -> dict:
+                logit_bias: dict | None = None, allowed_token_ids: list | None = None, **penalties) -> dict:
     """Every token sequence of ``length`` whose exact probability under the sampling law (the
     temperature, top-k, top-p and min-p where given, and the penalties ``penalties`` names, applied
     to each prefix's text) is at least ``threshold``, found by expanding prefixes with plain prefill
     forwards. ``stop_token_ids`` end a sequence (it keeps its mass, shorter), except before
-    ``min_tokens`` tokens, where they get no probability."""
+    ``min_tokens`` tokens, where they get no probability; ``allowed_token_ids`` leaves only those
+    tokens any; ``logit_bias`` is added before the penalties."""
     request = SimpleNamespace(params=SamplingParams(**penalties))
     cells = {(): 1.0}
     for _ in range(length):
@@ -86,11 +87,16 @@ def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, thr
             if prefix and prefix[-1] in stop_token_ids:
                 grown[prefix] = mass
                 continue
-            logits = last_logits(llm, prompt_ids + list(prefix))[None]
+            logits = last_logits(llm, prompt_ids + list(prefix))[None].clone()
+            if allowed_token_ids is not None:
+                banned = torch.ones(logits.shape[-1], dtype=torch.bool)
+                banned[allowed_token_ids] = False
+                logits[0, banned] = float("-inf")
+            for token, bias in (logit_bias or {}).items():
+                logits[0, token] += bias
             if penalties:
                 logits = penalized(logits, [request], [prompt_ids], [list(prefix)])
             if len(prefix) < min_tokens:
-                logits = logits.clone()
                 logits[0, list(stop_token_ids)] = float("-inf")
             probs = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
                                  torch.tensor([min_p]))[0]

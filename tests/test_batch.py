@@ -64,6 +64,7 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     ({"prompt": "hi", "use_beam_search": True}, "line 2: use_beam_search=True: not supported"),
     ({"prompt": "hi", "frequency_penalty": 3}, "line 2: frequency_penalty=3"),
     ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "line 2: min_tokens=5"),
+    ({"prompt": "hi", "logit_bias": {"a": 1}}, "line 2: logit_bias={'a': 1}"),
 ])
 def test_a_bad_line_is_named(line, message, tmp_path, capsys):
     requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)

@@ -30,7 +30,7 @@ from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.lane import Lane, lane_key
-from multispec.engine.penalties import held_stops, holds_stops, penalized, penalizes, without
+from multispec.engine.rules import prompt_rows, ruled, ruled_now
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
@@ -156,13 +156,19 @@ class LLMEngine:
             raise ValueError(f"{subject} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs!r}: must be at most the vocabulary size {self.vocab_size}")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids={params.stop_token_ids!r}: ids must lie in [0, {self.vocab_size})")
+        for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            given = getattr(params, field) or ()
+            outside = [t for t in given if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{field}={given!r:.80}: token ids must lie in [0, {self.vocab_size}), not {outside[:5]}")
         spec = spec or self.default_spec
         spec.check()
         spec.check_temperature(params.temperature)
         eos = frozenset(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+        if params.min_tokens and params.allowed_token_ids is not None and stop_ids >= set(params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids={params.allowed_token_ids!r}: with min_tokens={params.min_tokens} "
+                             f"a sample needs a token besides its stop tokens")
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(ids))
         if spec.speculates and spec.drafter in HEAD_DRAFTERS:
             draft = self.draft_model(spec.draft_model)
@@ -341,12 +347,7 @@ class LLMEngine:
         attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
         hidden = self.model.hidden_states(token_ids, positions, attention)[last_rows]
         logits = self.model.logits(hidden)
-        scored = logits
-        if any(penalizes(r.params) for r in requests):  # the prompt alone (repetition)
-            scored = penalized(logits, requests, [r.prompt_ids for r in requests], [[] for _ in requests])
-        if any(holds_stops(r, 0) for r in requests):  # min_tokens: no stop as the first token
-            scored = without(scored, held_stops(requests, [0] * len(requests), [()] * len(requests),
-                                                range(len(requests)), logits.shape[-1]))
+        scored = ruled(logits, prompt_rows(requests)) if any(ruled_now(r, 0) for r in requests) else logits
         probs = target_probs(scored, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
         now = time.monotonic()
@@ -354,7 +355,8 @@ class LLMEngine:
             n = request.n
             request.samples = [Sample(request, i, self._next_sample_id + i, sample_key(request.seed, i),
                                       logprobs=[] if request.params.logprobs is not None else None,
-                                      stream=self.tokenizer.stream() if request.tracks_text else None)
+                                      stream=self.tokenizer.stream(request.params.skip_special_tokens)
+                                      if request.tracks_text else None)
                                for i in range(n)]
             self._next_sample_id += n
             request.unfinished = n

@@ -1,5 +1,4 @@
-"""The rules that make a row's law depend on the text before it, as vLLM applies them, on each row
-of a step: repetition, frequency and presence penalties, and ``min_tokens``.
+"""Repetition, frequency and presence penalties, as vLLM applies them, on each row of a step.
 
 A row's logits are penalised by the text before its position: the prompt and the sample's
 generated tokens, and for a draft node's row the draft tokens on its path from the root. With the
@@ -14,10 +13,7 @@ The penalised logits then go through temperature, min-p, top-k and top-p as usua
 row carries exactly the text its position follows, a draft node's row gets the law that plain
 decoding would give that position had the path been sampled, so verification stays exact; the
 log-probabilities reported stay those of the raw logits, as in vLLM.
-
-``min_tokens`` holds back the stops: a row whose position comes before the request's
-``min_tokens``-th generated token (the sample's output and the draft path counted) gets no
-probability on the request's stop tokens, so a draft that ends a sample early is simply rejected.
+``multispec.engine.rules`` applies them with the other rules on the logits.
 """
 
 from __future__ import annotations
@@ -39,12 +35,17 @@ def penalized(logits: torch.Tensor, requests: Sequence, prompts: Sequence[Sequen
     """float32 logits [R, V] with each row's penalties: row r belongs to ``requests[r]`` (its
     sampling parameters), follows the prompt ``prompts[r]`` and the generated tokens
     ``generated[r]`` (path tokens included). Rows of requests without penalties come back as
-    their raw values. Only the (row, token) entries the texts name are read and written."""
-    rows, vocab = logits.shape
-    device = logits.device
+    their raw values."""
     scored = logits.float()
-    if scored is logits:
-        scored = scored.clone()
+    return penalize_(scored.clone() if scored is logits else scored, requests, prompts, generated)
+
+
+def penalize_(scored: torch.Tensor, requests: Sequence, prompts: Sequence[Sequence[int]],
+              generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``penalized`` in place on float32 logits ``scored``, which it returns. Only the (row, token)
+    entries the texts name are read and written."""
+    vocab = scored.shape[-1]
+    device = scored.device
     flat = scored.view(-1)
 
     def keys(lists: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -70,57 +71,3 @@ def penalized(logits: torch.Tensor, requests: Sequence, prompts: Sequence[Sequen
         flat[output] -= presence[output // vocab]
     return scored
 
-
-def step_histories(samples: Sequence, trees: Sequence) -> tuple[list, list, list]:
-    """Per row of a step (each sample's root, then its draft nodes): the request, the prompt and
-    the generated tokens the row follows (the sample's output, then the path to the node); empty
-    for rows of requests without penalties, which nothing reads."""
-    requests, prompts, generated = [], [], []
-    for sample, tree in zip(samples, trees):
-        request, out = sample.request, list(sample.output_ids)
-        paths: list[list[int]] = []
-        for token, parent in zip(tree.tokens, tree.parents):
-            paths.append((paths[parent] if parent >= 0 else []) + [token])
-        own = penalizes(request.params)
-        for path in [[]] + paths:
-            requests.append(request)
-            prompts.append(request.prompt_ids if own else ())
-            generated.append(out + path if own else ())
-    return requests, prompts, generated
-
-
-def holds_stops(request, generated: int) -> bool:
-    """Whether the next token of a sample of ``request`` with ``generated`` tokens may not end it
-    yet (fewer than ``min_tokens``): only then do its rows need ``held_stops``."""
-    return generated < request.params.min_tokens and bool(request.stop_ids)
-
-
-def held_stops(requests: Sequence, generated: Sequence[int], parents: Sequence[Sequence[int]],
-               row_offsets: Sequence[int], vocab: int) -> torch.Tensor | None:
-    """Flat indices (row x vocab + token) of a step's logits that ``min_tokens`` holds back. Sample
-    b belongs to ``requests[b]``, has ``generated[b]`` tokens and its draft tree's ``parents[b]``
-    (-1: the root), its rows starting at ``row_offsets[b]``. Held: each stop token of a row whose
-    tokens so far (the sample's, then the draft path to the row's node) number fewer than the
-    request's ``min_tokens``. None where nothing is held."""
-    keys: list[int] = []
-    for request, count, tree, offset in zip(requests, generated, parents, row_offsets):
-        left = request.params.min_tokens - count  # rows less deep than this hold the stops back
-        if left <= 0 or not request.stop_ids:
-            continue
-        depths = [0]
-        for parent in tree:
-            depths.append(depths[parent + 1] + 1)
-        stops = sorted(t for t in request.stop_ids if t < vocab)
-        keys += [(offset + row) * vocab + token for row, depth in enumerate(depths) if depth < left for token in stops]
-    return torch.tensor(keys, dtype=torch.long) if keys else None
-
-
-def without(logits: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
-    """float32 logits with the flat entries ``keys`` set to -inf (a copy where that writes)."""
-    if keys is None:
-        return logits
-    scored = logits.float()
-    if scored is logits:
-        scored = scored.clone()
-    scored.view(-1)[keys.to(scored.device)] = float("-inf")
-    return scored

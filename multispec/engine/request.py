@@ -96,7 +96,7 @@ class Sample:
         if not hits:
             return False
         at, stop = min(hits)
-        self.text = self.text[:at]
+        self.text = self.text[:at + len(stop) if self.request.params.include_stop_str_in_output else at]
         self.finish("stop", stop)
         return True
 
@@ -108,7 +108,7 @@ class Sample:
         """The text an output shows: all of it once finished; while running, all but the tail
         that could still turn out to be the start of a stop string."""
         if self.stream is None:
-            return tokenizer.decode(self.output_ids)
+            return tokenizer.decode(self.output_ids, skip_special_tokens=self.request.params.skip_special_tokens)
         if self.finished or not self.request.params.stop:
             return self.text
         return self.text[: max(0, len(self.text) - self.request.longest_stop + 1)]

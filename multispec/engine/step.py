@@ -15,7 +15,7 @@ import torch
 from multispec.drafters import DraftTree
 from multispec.engine.attention import StepLayout
 from multispec.engine.cache import KVCache
-from multispec.engine.penalties import held_stops, holds_stops, penalized, penalizes, step_histories, without
+from multispec.engine.rules import ruled, ruled_now, step_rows
 from multispec.engine.request import Request, Sample
 from multispec.engine.sampler import target_probs_and_lse
 from multispec.verify import PositionKeys, verify_tree
@@ -120,12 +120,9 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(truncates(r.params) for r in requests)
-    penalties = any(penalizes(r.params) for r in requests)
-    held = None
-    if any(holds_stops(s.request, len(s.output_ids)) for s in samples):  # min_tokens
-        held = held_stops(requests, [len(s.output_ids) for s in samples], [t.parents for t in trees],
-                          step.row_offsets, logits.shape[-1])
-    fused = not (truncated or penalties or held is not None)
+    # The rules on the logits (allowed tokens, min_tokens, logit bias, penalties), where some row has one.
+    rows = step_rows(samples, trees) if any(ruled_now(s.request, len(s.output_ids)) for s in samples) else None
+    fused = not (truncated or rows is not None)
     if alternatives[0] <= 0 and fused and not any(tree.tokens for tree in trees):
         drawn = _draw_plain(step, logits, requests)
         if drawn is not None:
@@ -134,7 +131,7 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         drawn = _draw_copied(step, logits, requests, counts, alternatives)
         if drawn is not None:
             return drawn
-    scored = without(penalized(logits, *step_histories(samples, trees)) if penalties else logits, held)
+    scored = logits if rows is None else ruled(logits, rows)
     probs, step.logsumexp, greedy_tokens = target_probs_and_lse(scored, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
     if scored is not logits:
@@ -199,8 +196,8 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
 
 def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> list[Verified] | None:
     """A step without drafts whose probabilities nobody reads but each drawn token's (no drafter
-    asks for alternatives, no truncation or penalty): each sample's token drawn in the compiled softmax's
-    own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
+    asks for alternatives, no truncation or rule on the logits): each sample's token drawn in the
+    compiled softmax's own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
     (``softmax_rows`` then ``sample_rows``: the same code, bit for bit) without the [rows,
     vocabulary] probabilities written and read back. None where the kernel does not run here."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):

@@ -111,11 +111,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> Callable[[int], str]:
+    def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """Incremental decoding (``tokenizers``' DecodeStream): a function that takes the next token
         id and returns the text it completes, "" while a multi-byte character is still open; the
         pieces add up to ``decode`` of the whole sequence."""
-        stream = DecodeStream(skip_special_tokens=True)
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         backend = self._backend
         return lambda token: stream.step(backend, token) or ""
 

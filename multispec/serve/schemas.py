@@ -16,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
     "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "prompt_logprobs": (),
-    "truncate_prompt_tokens": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},),
@@ -65,6 +65,10 @@ class GenerationRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     """Log-probabilities name tokens as ``token_id:<id>`` instead of their text (vLLM's extra)."""
     speculation: dict[str, Any] | None = None

@@ -187,6 +187,42 @@ def test_copied_drafts_under_penalties_return_the_plain_samples(successor, law):
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
 
 
+def token_laws(cells) -> dict[str, dict]:
+    """Laws that rule tokens whatever the text, built on the plain law's cells: a logit bias
+    against the likeliest second token and for the second-likeliest first token, and allowed
+    tokens: those of the eight likeliest sequences but the second likeliest's last (a third of
+    the mass)."""
+    ranked = sorted(cells, key=cells.get, reverse=True)
+    second_first = next(k[0] for k in ranked if k[0] != ranked[0][0])
+    return {"logit_bias": {"logit_bias": {ranked[0][1]: -2.5, second_first: 1.0}},
+            "allowed_token_ids": {"allowed_token_ids": sorted({t for k in ranked[:8] for t in k} - {ranked[1][2]})}}
+
+
+@pytest.mark.parametrize("law", ["logit_bias", "allowed_token_ids"])
+@pytest.mark.parametrize("drafter,sampled", [("consensus", True), ("model", False), ("hybrid", True)])
+def test_token_rules_hold_under_speculation(successor, drafter, sampled, law):
+    """A logit bias and allowed tokens rule every row, a draft node's too: the first three tokens
+    follow the exact law, which moves more than a tenth of the plain law's mass."""
+    llm, prompt, plain_cells = successor
+    rule = token_laws(plain_cells)[law]
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004, **rule)
+    moved = sum(abs(cells.get(k, 0.0) - plain_cells.get(k, 0.0)) for k in set(cells) | set(plain_cells)) / 2
+    assert moved > 0.1
+    spec = configure(drafter, sampled, "auto", "tree")
+    assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **rule)
+
+
+@pytest.mark.parametrize("law", ["logit_bias", "allowed_token_ids"])
+def test_copied_drafts_under_token_rules_return_the_plain_samples(successor, law):
+    llm, prompt, cells = successor
+    sampling = SamplingParams(n=200, temperature=TEMPERATURE, max_tokens=8, ignore_eos=True, seed=7,
+                              **token_laws(cells)[law])
+    plain = llm.generate([prompt], sampling, SpecConfig(), use_tqdm=False)[0]
+    got = llm.generate([prompt], sampling, configure("consensus", False, "auto", "tree"), use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 100
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
+
+
 def held_law(cells, min_tokens: int) -> dict:
     """``min_tokens`` with the likeliest third token as the stop: held back at the root row of the
     step after the prefill and at the first draft nodes' rows, where it is likeliest."""

@@ -129,6 +129,20 @@ def test_eos_stops_a_chat_answer(llm):
     completion = out[0].outputs[0]
     assert completion.finish_reason == "stop"
     assert completion.token_ids[-1] in llm.tokenizer.eos_token_ids
+    # skip_special_tokens=False: the text keeps the end's own text, decoded at the end or as tokens arrive
+    end = llm.tokenizer.decode(completion.token_ids[-1:], skip_special_tokens=False)
+    assert end and not completion.text.endswith(end)
+    for stop in (None, ["no such text"]):
+        kept = llm.chat([{"role": "user", "content": "Say hello."}],
+                        SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False, stop=stop))[0]
+        assert kept.outputs[0].text == completion.text + end
+
+
+def test_include_stop_str_in_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[" 5"], include_stop_str_in_output=True)
+    kept = llm.generate("Count: 1, 2, 3,", params)[0].outputs[0]
+    cut = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 5"]))[0].outputs[0]
+    assert kept.finish_reason == "stop" and kept.stop_reason == " 5" and kept.text == cut.text + " 5"
 
 
 def test_first_token_distribution_is_the_models(llm):

@@ -30,8 +30,11 @@ BAD_COMPLETIONS = [
     ({"speculation": {"scheme": "greedy"}, "temperature": 1.0}, "speculation"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"), ({"echo": True}, "echo"),
-    ({"use_beam_search": True}, "use_beam_search"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
-    ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"skip_special_tokens": "maybe"}, "skip_special_tokens"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "hi"}]}, "messages"),

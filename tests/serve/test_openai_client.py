@@ -125,6 +125,27 @@ def test_stop_strings_and_stop_token_ids(client, tiny):
     assert got.choices[0].text == expected.text and got.usage.completion_tokens == len(expected.token_ids) >= held
 
 
+def test_logit_bias_and_allowed_token_ids_as_llm_generate(client, tiny):
+    """OpenAI's logit_bias (keys are token ids as strings) and vLLM's allowed_token_ids: the
+    server's seeded sample is LLM.generate's with the same rule."""
+    plain = SamplingParams(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)
+    want = tiny.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0]
+    base = dict(model="tiny", prompt=PROMPT, temperature=0.9, max_tokens=12, seed=3)
+    rules = [({"logit_bias": {str(want.token_ids[0]): -100, str(want.token_ids[5]): 3}},
+              {"logit_bias": {want.token_ids[0]: -100, want.token_ids[5]: 3}}),
+             ({"extra_body": {"allowed_token_ids": sorted(set(want.token_ids[:4]))}},
+              {"allowed_token_ids": sorted(set(want.token_ids[:4]))})]
+    for fields, rule in rules:
+        fields.setdefault("extra_body", {})["ignore_eos"] = True
+        got = client.completions.create(**fields, **base).choices[0].text
+        expected = tiny.generate([PROMPT], SamplingParams(**{**vars(plain), **rule}), use_tqdm=False)[0].outputs[0]
+        assert got == expected.text and expected.token_ids != want.token_ids
+        if "allowed_token_ids" in rule:
+            assert set(expected.token_ids) <= set(rule["allowed_token_ids"])
+        else:
+            assert expected.token_ids[0] != want.token_ids[0]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [1, 8])
 def test_chat_n_samples_streamed_or_not_with_logprobs(client, n, stream):

@@ -1,0 +1,114 @@
+"""A request's rules on the logits, applied to each row before the sampling law, in vLLM's order:
+``allowed_token_ids`` (every other token gets no probability), ``min_tokens`` (the stop tokens get
+none on rows before it), ``logit_bias`` (added to the logits), then the repetition, frequency and
+presence penalties (``multispec.engine.penalties``). Temperature, min-p, top-k and top-p follow.
+
+The rows are a step's (each sample's root, then its draft nodes) or a prefill's (each prompt's
+last). A row's rules read only its request and the text before its position: the sample's output
+and, for a draft node's row, the draft path to the node. So every row gets the law plain decoding
+would give its position had the path been sampled, and verification stays exact: a draft token a
+rule forbids is simply rejected. Log-probabilities stay those of the raw logits, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from multispec.engine.penalties import penalize_, penalizes
+
+
+@dataclass
+class Rows:
+    """What the rules read, per row of the logits."""
+
+    requests: list
+    prompts: list
+    """The request's prompt where it has penalties, else ()."""
+    generated: list
+    """The tokens before the row (the sample's output, then the draft path) where the request has
+    penalties, else () (nothing reads them)."""
+    lengths: list[int]
+    """How many tokens come before the row (output and path), for ``min_tokens``."""
+
+
+def rules_every_row(params) -> bool:
+    """Whether a request's rules touch every row of it (all but ``min_tokens``, which ends)."""
+    return params.allowed_token_ids is not None or bool(params.logit_bias) or penalizes(params)
+
+
+def holds_stops(request, generated: int) -> bool:
+    """Whether a sample of ``request`` with ``generated`` tokens may not end yet (``min_tokens``)."""
+    return generated < request.params.min_tokens and bool(request.stop_ids)
+
+
+def ruled_now(request, generated: int) -> bool:
+    """Whether the next rows of a sample of ``request`` with ``generated`` tokens need ``ruled``;
+    where no row of a step does, the step keeps its fused draws."""
+    return rules_every_row(request.params) or holds_stops(request, generated)
+
+
+def step_rows(samples: Sequence, trees: Sequence) -> Rows:
+    """The rows of a step: each sample's root, then its draft nodes in order."""
+    rows = Rows([], [], [], [])
+    for sample, tree in zip(samples, trees):
+        request, out = sample.request, sample.output_ids
+        penalized = penalizes(request.params)
+        paths: list[list[int]] = [[]]  # the root's, then each node's
+        for token, parent in zip(tree.tokens, tree.parents):
+            paths.append(paths[parent + 1] + [token])
+        rows.requests += [request] * len(paths)
+        rows.prompts += [request.prompt_ids if penalized else ()] * len(paths)
+        rows.generated += [list(out) + path for path in paths] if penalized else [()] * len(paths)
+        rows.lengths += [len(out) + len(path) for path in paths]
+    return rows
+
+
+def prompt_rows(requests: Sequence) -> Rows:
+    """The rows of a prefill: each prompt's last, before any generated token."""
+    return Rows(list(requests), [r.prompt_ids if penalizes(r.params) else () for r in requests],
+                [() for _ in requests], [0] * len(requests))
+
+
+def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """float32 logits [R, V] with each row's rules (a copy), or ``logits`` itself where no row has
+    any."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    scored: torch.Tensor | None = None
+
+    def writable() -> torch.Tensor:
+        nonlocal scored
+        if scored is None:
+            scored = logits.float()
+            if scored is logits:
+                scored = scored.clone()
+        return scored
+
+    members: dict[int, tuple] = {}  # the rows of each request
+    for row, request in enumerate(rows.requests):
+        members.setdefault(id(request), (request, []))[1].append(row)
+    for request, own in members.values():
+        params = request.params
+        index = None
+        if params.allowed_token_ids is not None:
+            index = torch.tensor(own, device=device)
+            keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+            keep[torch.tensor(params.allowed_token_ids, device=device)] = True
+            out = writable()
+            out[index] = out[index].masked_fill(~keep, float("-inf"))
+        if params.min_tokens:
+            held = [row for row in own if rows.lengths[row] < params.min_tokens]
+            stops = sorted(t for t in request.stop_ids if t < vocab)
+            if held and stops:
+                held_rows = torch.tensor(held, device=device)[:, None]
+                writable()[held_rows, torch.tensor(stops, device=device)] = float("-inf")
+        if params.logit_bias:
+            index = torch.tensor(own, device=device) if index is None else index
+            tokens = torch.tensor(list(params.logit_bias), device=device)
+            writable()[index[:, None], tokens] += torch.tensor(list(params.logit_bias.values()), device=device)
+    if any(penalizes(r.params) for r, _ in members.values()):
+        penalize_(writable(), rows.requests, rows.prompts, rows.generated)
+    return logits if scored is None else scored
