@@ -89,7 +89,8 @@ class SamplingParams:
     tokens any probability (both as vLLM applies them, before the penalties and the temperature;
     see ``multispec.engine.rules``). The text: a stop string is cut off unless
     ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
-    False. ``logprobs`` asks for that many top
+    False. ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
+    many top ones; the first token has none), as vLLM reports them. ``logprobs`` asks for that many top
     log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
     ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
     random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
@@ -115,6 +116,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.n = check_int("n", self.n, 1)
@@ -156,6 +158,7 @@ class SamplingParams:
         self.allowed_token_ids = None if allowed is None else sorted({int(t) for t in allowed})
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, none=True)
 
 
 @dataclass
@@ -341,6 +344,9 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Where ``SamplingParams.prompt_logprobs`` asked: per prompt token, its log-probability given
+    the tokens before it (and the top ones), None for the first."""
 
 
 @dataclass

@@ -37,6 +37,7 @@ SAMPLING_BAD = [
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]),
     ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", True),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
+    ("prompt_logprobs", -1), ("prompt_logprobs", "2"),
 ]
 
 

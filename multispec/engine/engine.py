@@ -46,6 +46,10 @@ from multispec.params import HEAD_DRAFTERS, RequestOutput, RequestOutputKind, Ru
 from multispec.verify.sampling import sample_key, sample_rows
 from multispec.verify.schemes import resolve
 
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt rows whose logits ``prompt_logprobs`` computes at once (256 x the vocabulary in float32:
+50 MB for the default model)."""
+
 
 @dataclass
 class EngineConfig:
@@ -154,8 +158,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{subject} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs!r}: must be at most the vocabulary size {self.vocab_size}")
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, field) or 0) > self.vocab_size:
+                raise ValueError(f"{field}={getattr(params, field)!r}: must be at most the vocabulary size "
+                                 f"{self.vocab_size}")
         for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             given = getattr(params, field) or ()
             outside = [t for t in given if t >= self.vocab_size]
@@ -345,8 +351,15 @@ class LLMEngine:
         positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
         last_rows = torch.tensor(_cumsum([r.prompt_len for r in requests]), device=self.device) - 1
         attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
-        hidden = self.model.hidden_states(token_ids, positions, attention)[last_rows]
+        every = self.model.hidden_states(token_ids, positions, attention)
+        hidden = every[last_rows]
         logits = self.model.logits(hidden)
+        start = 0
+        for request in requests:
+            if request.params.prompt_logprobs is not None:
+                request.prompt_logprobs = self._prompt_logprobs(every[start:start + request.prompt_len - 1],
+                                                                request.prompt_ids, request.params.prompt_logprobs)
+            start += request.prompt_len
         scored = ruled(logits, prompt_rows(requests)) if any(ruled_now(r, 0) for r in requests) else logits
         probs = target_probs(scored, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
@@ -392,6 +405,24 @@ class LLMEngine:
         self.stats.prefill_forwards += 1
         self.stats.prompt_tokens += int(token_ids.numel())
         self.stats.time_prefill += time.perf_counter() - t0
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ids: list[int], top: int) -> list:
+        """Each prompt token's log-probability given the ones before it (raw logits, as vLLM
+        reports them), with the ``top`` likeliest; None for the first token. ``hidden``: the rows
+        of every prompt token but the last. The head runs on 256 rows at a time."""
+        out: list = [None]
+        for begin in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(self.model.logits(hidden[begin:begin + PROMPT_LOGPROB_ROWS]), -1)
+            following = ids[begin + 1:begin + 1 + len(logprobs)]
+            chosen = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])[:, 0].tolist()
+            best = logprobs.topk(top, -1) if top else None
+            for i, token in enumerate(following):
+                entry = {token: chosen[i]}
+                if best is not None:
+                    entry.update(zip(best.indices[i].tolist(), best.values[i].tolist()))
+                    entry[token] = chosen[i]
+                out.append(entry)
+        return out
 
     def _decode(self, changed: dict[str, Request]) -> None:
         slots = self.scheduler.slots

@@ -142,6 +142,8 @@ class Request:
     error: str | None = None
     aborted: set[int] = field(default_factory=set)
     """Samples aborted before the request was admitted: they start finished."""
+    prompt_logprobs: list | None = None
+    """The prompt tokens' log-probabilities, where the request asked (filled by the prefill)."""
 
     @property
     def prompt_len(self) -> int:
@@ -175,7 +177,7 @@ class Request:
         else:
             outputs = [_cumulative(s, tokenizer) for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs, self.finished, self.error,
-                             self.metrics)
+                             self.metrics, self.prompt_logprobs)
 
 
 def _cumulative(sample: Sample, tokenizer) -> CompletionOutput:

@@ -120,7 +120,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         inputs = completion_inputs(body, engine, default_spec, config.limits)
-        fmt = CompletionFormat(engine.tokenizer, body.logprobs, bool(body.return_tokens_as_token_ids))
+        fmt = CompletionFormat(engine.tokenizer, body.logprobs, bool(body.return_tokens_as_token_ids), inputs.echo,
+                               inputs.generate)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/v1/chat/completions")

@@ -8,11 +8,11 @@ chunk choice, and a finished ``Choice`` (the deltas gathered) into a response ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
-from multispec.params import CompletionOutput
+from multispec.params import CompletionOutput, RequestOutput
 from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
                                      CompletionResponse, Delta, TokenLogprob, TopLogprob)
@@ -28,6 +28,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0
+    echoed: bool = False
 
     def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
         self.text.append(delta.text)
@@ -46,26 +47,64 @@ class CompletionFormat:
     endpoint = "/v1/completions"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False):
+    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False, echo: list[str] | None = None,
+                 generate: bool = True):
+        """``echo``: each prompt's text, put before its choices' text (with ``top_logprobs``, the
+        prompt tokens' log-probabilities before theirs); ``generate`` False: the generated token
+        is left out (echo with max_tokens 0)."""
+        self.tokenizer = tokenizer
         self.text = _token_text(tokenizer)
         self.token_text = _token_id if token_ids else self.text
         self.top_logprobs = top_logprobs
+        self.echo = echo
+        self.generate = generate
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
         return []
+
+    def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
+                choice: Choice) -> tuple[CompletionOutput, CompletionLogprobs | None]:
+        """The delta as the choice shows it, and its log-probabilities: with echo, a choice's
+        first delta starts with its prompt."""
+        if not self.generate:
+            delta = replace(delta, text="", token_ids=[], logprobs=None if delta.logprobs is None else [])
+        if self.echo is None or choice.echoed:
+            return delta, self.logprobs(delta, choice)
+        choice.echoed = True
+        block = None
+        if self.top_logprobs is not None and out.prompt_logprobs is not None:
+            # The prompt tokens' offsets from the prompt decoded as a whole (a token alone may
+            # read otherwise); the generated tokens' start after the echoed text.
+            stream = self.tokenizer.stream(skip_special_tokens=False)
+            block = self._block(out.prompt_token_ids, out.prompt_logprobs, choice,
+                                [len(stream(token)) for token in out.prompt_token_ids])
+            choice.text_offset = len(self.echo[prompt])
+            after = self.logprobs(delta, choice)
+            if after is not None:
+                for name in type(block).model_fields:
+                    getattr(block, name).extend(getattr(after, name))
+        elif self.top_logprobs is not None:
+            block = self.logprobs(delta, choice)
+        return replace(delta, text=self.echo[prompt] + delta.text), block
 
     def logprobs(self, delta: CompletionOutput, choice: Choice) -> CompletionLogprobs | None:
         """Tokens as text, their log-probabilities, the top ones by text, and where each token's
         text starts in the choice's text (as vLLM reports them)."""
         if self.top_logprobs is None or delta.logprobs is None:
             return None
+        return self._block(delta.token_ids, delta.logprobs, choice)
+
+    def _block(self, tokens: list[int], entries: list, choice: Choice,
+               lengths: list[int] | None = None) -> CompletionLogprobs:
+        """The block of these tokens; ``lengths``: each token's text length, where known better
+        than by decoding it alone."""
         block = CompletionLogprobs()
-        for token, entry in zip(delta.token_ids, delta.logprobs):
+        for i, (token, entry) in enumerate(zip(tokens, entries)):
             block.tokens.append(self.token_text(token))
-            block.token_logprobs.append(entry[token])
-            block.top_logprobs.append({self.token_text(t): lp for t, lp in entry.items()})
+            block.token_logprobs.append(None if entry is None else entry[token])
+            block.top_logprobs.append(None if entry is None else {self.token_text(t): lp for t, lp in entry.items()})
             block.text_offset.append(choice.text_offset)
-            choice.text_offset += len(self.text(token))
+            choice.text_offset += lengths[i] if lengths is not None else len(self.text(token))
         return block
 
     def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
@@ -91,6 +130,10 @@ class ChatFormat:
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False):
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
+
+    def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
+                choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
+        return delta, self.logprobs(delta, choice)
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
         """Each choice's first chunk carries the role only, as OpenAI's and vLLM's streams do."""

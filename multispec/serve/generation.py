@@ -104,8 +104,8 @@ class Tally:
         self.metrics: dict[int, RequestMetrics] = {}
         self.first_token: float | None = None
 
-    def add(self, index: int, out: RequestOutput) -> None:
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+    def add(self, index: int, out: RequestOutput, tokens: int) -> None:
+        """One engine output of prompt ``index``, its samples showing ``tokens`` new tokens."""
         if tokens and self.first_token is None:
             self.first_token = time.monotonic()
         self.completion_tokens += tokens
@@ -145,14 +145,14 @@ class Run:
     def _take(self, index: int, out: RequestOutput) -> list[tuple]:
         """Gather one output into the choices; its (choice index, delta, log-probabilities) for
         the stream. Choices are numbered prompt by prompt, n each, as vLLM numbers them."""
-        self.tally.add(index, out)
         taken = []
         for delta in out.outputs:
             choice_index = index * self.n + delta.index
             choice = self.choices[choice_index]
-            logprobs = self.fmt.logprobs(delta, choice)
+            delta, logprobs = self.fmt.present(index, out, delta, choice)
             choice.add(delta, logprobs)
             taken.append((choice_index, delta, logprobs))
+        self.tally.add(index, out, sum(len(delta.token_ids) for _, delta, _ in taken))
         return taken
 
     async def collect(self):

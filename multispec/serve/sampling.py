@@ -40,6 +40,11 @@ class EngineInputs:
     prompts: list[list[int]]
     params: SamplingParams
     spec: SpecConfig
+    echo: list[str] | None = None
+    """Completions with ``echo``: each prompt's text, shown before its choices' text."""
+    generate: bool = True
+    """False for ``echo`` with ``max_tokens`` 0: the prompt alone is reported (one token is
+    generated and left out)."""
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
@@ -80,8 +85,18 @@ def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConf
         raise invalid("logprobs", f"logprobs={request.logprobs}: at most {MAX_LOGPROBS}")
     prompts = completion_prompts(request.prompt, engine.tokenizer)
     max_tokens = request.max_tokens if request.max_tokens is not None else COMPLETIONS_MAX_TOKENS
-    return _inputs(request, prompts, engine, default_spec, limits, max_tokens, request.logprobs,
-                   {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"})
+    generate = not (request.echo and max_tokens == 0)
+    inputs = _inputs(request, prompts, engine, default_spec, limits, max_tokens if generate else 1, request.logprobs,
+                     {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"})
+    if request.echo:
+        # A text prompt is echoed as given; token ids as their text.
+        texts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
+        inputs.echo = [text if isinstance(text, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+                       for text, ids in zip(texts, prompts)]
+        inputs.generate = generate
+        if request.logprobs is not None:
+            inputs.params = replace(inputs.params, prompt_logprobs=request.logprobs)
+    return inputs
 
 
 def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig, limits: Limits) -> EngineInputs:

@@ -79,6 +79,9 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None
+    """The prompt's text before each choice's (with ``logprobs``, the prompt tokens' too, the first
+    one's None); with ``max_tokens`` 0, the prompt alone (scoring a text, as evaluation harnesses do)."""
 
 
 class TextPart(BaseModel):
@@ -122,9 +125,9 @@ class SpeculationFigures(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
-    token_logprobs: list[float] = []
+    token_logprobs: list[float | None] = []
     tokens: list[str] = []
-    top_logprobs: list[dict[str, float]] = []
+    top_logprobs: list[dict[str, float] | None] = []
 
 
 class CompletionChoice(BaseModel):

@@ -54,6 +54,26 @@ def test_cumulative_logprob_is_the_models_sequence_logprob(llm, hf_model):
             completion.cumulative_logprob, abs=1e-4)
 
 
+def test_prompt_logprobs_are_the_models(llm, hf_model, monkeypatch):
+    """Each prompt token's log-probability given the tokens before it, with the top 3, against
+    transformers on the same weights; the first token has none. Two prompts in one prefill, the
+    head run on 4 rows at a time so that the chunks' seams are crossed."""
+    monkeypatch.setattr("multispec.engine.engine.PROMPT_LOGPROB_ROWS", 4)
+    prompts = ["The quick brown fox jumps over the lazy dog", "Once upon a time"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for position, (token, entry) in enumerate(zip(ids[1:], out.prompt_logprobs[1:])):
+            top = logp[position].topk(3).indices.tolist()
+            assert set(entry) == set(top) | {token}
+            assert entry[token] == pytest.approx(logp[position, token].item(), abs=1e-3)
+    plain = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
 def test_prompt_is_prefilled_once_for_all_samples(llm):
     prompt = "Write a short poem about the sea."
     llm.generate(prompt, SamplingParams(n=8, temperature=1.0, max_tokens=8, seed=0))

@@ -125,6 +125,32 @@ def test_stop_strings_and_stop_token_ids(client, tiny):
     assert got.choices[0].text == expected.text and got.usage.completion_tokens == len(expected.token_ids) >= held
 
 
+def test_echo_scores_a_text_as_evaluation_harnesses_ask(client, tiny):
+    """echo with logprobs: the choice's text starts with the prompt, and its log-probabilities
+    cover the prompt's tokens (the first None) before the generated ones; with max_tokens 0, the
+    prompt alone and no completion tokens. The prompt's figures are LLM.generate's."""
+    ids = tiny.tokenizer.encode(PROMPT)
+    want = tiny.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1,
+                                                  prompt_logprobs=1), use_tqdm=False)[0]
+    for max_tokens in (0, 3):
+        got = client.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        choice = got.choices[0]
+        generated = want.outputs[0].token_ids[:max_tokens]
+        assert choice.text == PROMPT + (want.outputs[0].text if max_tokens else "")
+        assert got.usage.completion_tokens == max_tokens and len(choice.logprobs.tokens) == len(ids) + max_tokens
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        expected = [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])]
+        expected += [e[t] for t, e in zip(generated, want.outputs[0].logprobs)]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        if max_tokens:
+            assert choice.logprobs.text_offset[len(ids)] == len(PROMPT)
+    streamed = client.completions.create(model="tiny", prompt=[ids], echo=True, max_tokens=3, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    texts, _, _ = stream_texts(streamed)
+    assert texts[0] == tiny.tokenizer.decode(ids, skip_special_tokens=False) + want.outputs[0].text
+
+
 def test_logit_bias_and_allowed_token_ids_as_llm_generate(client, tiny):
     """OpenAI's logit_bias (keys are token ids as strings) and vLLM's allowed_token_ids: the
     server's seeded sample is LLM.generate's with the same rule."""
