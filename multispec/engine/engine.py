@@ -166,7 +166,8 @@ class LLMEngine:
             given = getattr(params, field) or ()
             outside = [t for t in given if t >= self.vocab_size]
             if outside:
-                raise ValueError(f"{field}={given!r:.80}: token ids must lie in [0, {self.vocab_size}), not {outside[:5]}")
+                raise ValueError(f"{field}={given!r:.80}: token ids must lie in [0, {self.vocab_size}), "
+                                 f"not {outside[:5]}")
         spec = spec or self.default_spec
         spec.check()
         spec.check_temperature(params.temperature)

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],),
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
