@@ -43,7 +43,9 @@ def penalized(logits: torch.Tensor, requests: Sequence, prompts: Sequence[Sequen
 def penalize_(scored: torch.Tensor, requests: Sequence, prompts: Sequence[Sequence[int]],
               generated: Sequence[Sequence[int]]) -> torch.Tensor:
     """``penalized`` in place on float32 logits ``scored``, which it returns. Only the (row, token)
-    entries the texts name are read and written."""
+    entries the texts name are read and written, one key per occurrence and nothing sorted: a
+    key repeated in an assignment writes the same value each time, and frequency adds up its
+    repeats (an accumulating write)."""
     vocab = scored.shape[-1]
     device = scored.device
     flat = scored.view(-1)
@@ -56,18 +58,18 @@ def penalize_(scored: torch.Tensor, requests: Sequence, prompts: Sequence[Sequen
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(r.params, name) for r in requests], dtype=torch.float32, device=device)
 
-    output, counts = torch.unique(keys(generated), return_counts=True)
+    output = keys(generated)  # every generated token of every row, repeats included
     repetition = per_row("repetition_penalty")
     if bool((repetition != 1.0).any()):
-        seen = torch.unique(torch.cat([output, keys([p if r.params.repetition_penalty != 1.0 else ()
-                                                     for r, p in zip(requests, prompts)])]))
+        seen = torch.cat([output, keys([p if r.params.repetition_penalty != 1.0 else ()
+                                        for r, p in zip(requests, prompts)])])
         factor = repetition[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / factor, values * factor)
     frequency, presence = per_row("frequency_penalty"), per_row("presence_penalty")
     if bool((frequency != 0).any()):
-        flat[output] -= frequency[output // vocab] * counts.float()
+        flat.index_put_((output,), -frequency[output // vocab], accumulate=True)  # times the token's count
     if bool((presence != 0).any()):
-        flat[output] -= presence[output // vocab]
+        flat[output] = flat[output] - presence[output // vocab]  # read first: once per token however repeated
     return scored
 

@@ -120,22 +120,24 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # What the softmax must do besides temperature, known from the requests: no per-row checks
     # on the parameter tensors.
     truncated = any(truncates(r.params) for r in requests)
-    # The rules on the logits (allowed tokens, min_tokens, logit bias, penalties), where some row has one.
+    # The rules on the logits (allowed tokens, min_tokens, logit bias, penalties), where some row
+    # has one: the law is drawn from the ruled logits, the log-probabilities reported are the raw
+    # logits' (their log-normalisers from one more pass of the compiled softmax, where it runs).
     rows = step_rows(samples, trees) if any(ruled_now(s.request, len(s.output_ids)) for s in samples) else None
-    fused = not (truncated or rows is not None)
-    if alternatives[0] <= 0 and fused and not any(tree.tokens for tree in trees):
-        drawn = _draw_plain(step, logits, requests)
-        if drawn is not None:
-            return drawn
-    if fused and all(r.scheme == "deterministic" for r in requests):
-        drawn = _draw_copied(step, logits, requests, counts, alternatives)
-        if drawn is not None:
-            return drawn
     scored = logits if rows is None else ruled(logits, rows)
+    drawn = None
+    if alternatives[0] <= 0 and not truncated and not any(tree.tokens for tree in trees):
+        drawn = _draw_plain(step, scored, requests)
+    if drawn is None and not truncated and all(r.scheme == "deterministic" for r in requests):
+        drawn = _draw_copied(step, scored, requests, counts, alternatives)
+    if drawn is not None:
+        if scored is not logits:
+            step.logsumexp = raw_logsumexp(logits)
+        return drawn
     probs, step.logsumexp, greedy_tokens = target_probs_and_lse(scored, *sampling_rows(requests, device, counts),
                                                                 truncated=truncated)
     if scored is not logits:
-        step.logsumexp = None  # log-probabilities are the raw logits' (commit takes their log-softmax)
+        step.logsumexp = raw_logsumexp(logits)
     groups: dict[str, list[int]] = {}
     for b, sample in enumerate(samples):
         groups.setdefault(sample.request.scheme, []).append(b)
@@ -194,10 +196,27 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     return results
 
 
+def raw_logsumexp(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's logsumexp of the raw logits, from the compiled softmax's one pass over them
+    (``softmax_draw``, nothing of [rows, vocabulary] written), for commit's log-probabilities
+    where the law was drawn from ruled logits; None where the kernel does not run (commit then
+    takes a log-softmax of the rows it appends)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from multispec import kernels
+
+    op = kernels.softmax_draw()
+    if op is None:
+        return None
+    rows = logits.shape[0]
+    ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    return op(logits.contiguous(), ones, torch.zeros(rows, dtype=torch.float64, device=logits.device))[1]
+
+
 def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> list[Verified] | None:
     """A step without drafts whose probabilities nobody reads but each drawn token's (no drafter
-    asks for alternatives, no truncation or rule on the logits): each sample's token drawn in the
-    compiled softmax's own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
+    asks for alternatives, no truncation; ``logits`` ruled where a rule applies): each sample's
+    token drawn in the compiled softmax's own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
     (``softmax_rows`` then ``sample_rows``: the same code, bit for bit) without the [rows,
     vocabulary] probabilities written and read back. None where the kernel does not run here."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):

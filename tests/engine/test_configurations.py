@@ -16,12 +16,13 @@ The hybrid drafter (consensus and the same head) is walked as the others are: co
 from __future__ import annotations
 
 import pytest
+import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters import DRAFTERS
 from multispec.verify.schemes import NAMES, resolve
-from tests.helpers import exact_cells, sampled_cells
+from tests.helpers import exact_cells, last_logits, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_copy_head, write_successor_model
 
 TEMPERATURE = 1.0
@@ -221,6 +222,24 @@ def test_copied_drafts_under_token_rules_return_the_plain_samples(successor, law
     got = llm.generate([prompt], sampling, configure("consensus", False, "auto", "tree"), use_tqdm=False)[0]
     assert llm.last_stats.accepted_tokens > 100
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_log_probabilities_under_rules_are_the_raw_logits(successor, speculate):
+    """The tokens follow the ruled law, but the log-probabilities reported (each token's and the
+    top ones) are the raw logits' log-softmax, as vLLM reports them: read at every position from a
+    plain prefill, with and without drafts."""
+    llm, prompt, cells = successor
+    rule = {**token_laws(cells)["logit_bias"], "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+    spec = configure("consensus", False, "auto", "tree") if speculate else SpecConfig()
+    out = llm.generate([prompt], params(3, n=40, logprobs=2, **rule), spec, use_tqdm=False)[0]
+    for completion in out.outputs:
+        for position, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            raw = torch.log_softmax(last_logits(llm, prompt + completion.token_ids[:position]), -1)
+            assert entry[token] == pytest.approx(raw[token].item(), abs=1e-5)
+            assert set(raw.topk(2).indices.tolist()) <= set(entry)
+    if speculate:
+        assert llm.last_stats.accepted_tokens > 0
 
 
 def held_law(cells, min_tokens: int) -> dict:
