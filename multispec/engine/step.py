@@ -216,9 +216,10 @@ def raw_logsumexp(logits: torch.Tensor) -> torch.Tensor | None:
 def _draw_plain(step: Step, logits: torch.Tensor, requests: list[Request]) -> list[Verified] | None:
     """A step without drafts whose probabilities nobody reads but each drawn token's (no drafter
     asks for alternatives, no truncation; ``logits`` ruled where a rule applies): each sample's
-    token drawn in the compiled softmax's own pass (``softmax_draw``), with its key at its position, exactly as the general path draws it
-    (``softmax_rows`` then ``sample_rows``: the same code, bit for bit) without the [rows,
-    vocabulary] probabilities written and read back. None where the kernel does not run here."""
+    token drawn in the compiled softmax's own pass (``softmax_draw``), with its key at its
+    position, exactly as the general path draws it (``softmax_rows`` then ``sample_rows``: the
+    same code, bit for bit) without the [rows, vocabulary] probabilities written and read back.
+    None where the kernel does not run here."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return None
     from multispec import kernels
