@@ -86,8 +86,10 @@ class SamplingParams:
     ``ignore_eos``, and ``stop_token_ids``) get no probability and stop strings are not looked
     for until a sample has that many tokens, as in vLLM. ``logit_bias`` ({token id: bias in
     [-100, 100]}) is added to those tokens' logits; ``allowed_token_ids`` leaves only those
-    tokens any probability (both as vLLM applies them, before the penalties and the temperature;
-    see ``multispec.engine.rules``). The text: a stop string is cut off unless
+    tokens any probability, ``bad_words`` are never completed (the last token of a word gets no
+    probability where the text ends with the rest of it; each word with and without a leading
+    space), all as vLLM applies them, before the penalties and the temperature (see
+    ``multispec.engine.rules``). The text: a stop string is cut off unless
     ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
     False. ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
     many top ones; the first token has none), as vLLM reports them. ``logprobs`` asks for that many top
@@ -112,6 +114,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -156,6 +159,11 @@ class SamplingParams:
                 isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in allowed)):
             raise _bad("allowed_token_ids", allowed, "must be a non-empty list of token ids >= 0 (or None)")
         self.allowed_token_ids = None if allowed is None else sorted({int(t) for t in allowed})
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words)):
+            raise _bad("bad_words", words, "must be a list of words (non-empty strings)")
+        self.bad_words = list(words) if words else None
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
         self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, none=True)

@@ -34,6 +34,7 @@ SAMPLING_BAD = [
     ("logit_bias", [1]), ("logit_bias", {"a": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {True: 1.0}),
     ("logit_bias", {5: 101}), ("logit_bias", {5: math.nan}), ("logit_bias", {5: "1"}),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", "no"),
+    ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [1]),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]),
     ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", True),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),

@@ -186,8 +186,21 @@ class LLMEngine:
                           params.seed if params.seed is not None else secrets.randbits(64), stop_ids, eos, output_kind,
                           resolve(spec.scheme, spec.draft_law, params.temperature).name, lane_key(spec, params),
                           max_tokens + draft + 1)
+        request.bad_words_ids = self._bad_words_ids(params.bad_words or ())
         self.scheduler.check_fits(request)
         return request
+
+    def _bad_words_ids(self, words) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: the word as written (leading space
+        stripped), and with a leading space where that starts with another token and is as long."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return [ids for ids in out if ids and max(ids) < self.vocab_size]
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     spec: SpecConfig | None = None, *, prompt: str | None = None,

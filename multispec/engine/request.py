@@ -144,6 +144,8 @@ class Request:
     """Samples aborted before the request was admitted: they start finished."""
     prompt_logprobs: list | None = None
     """The prompt tokens' log-probabilities, where the request asked (filled by the prefill)."""
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    """``bad_words`` as token ids (each word with and without a leading space, as vLLM has them)."""
 
     @property
     def prompt_len(self) -> int:

@@ -1,7 +1,8 @@
 """A request's rules on the logits, applied to each row before the sampling law, in vLLM's order:
-``allowed_token_ids`` (every other token gets no probability), ``min_tokens`` (the stop tokens get
-none on rows before it), ``logit_bias`` (added to the logits), then the repetition, frequency and
-presence penalties (``multispec.engine.penalties``). Temperature, min-p, top-k and top-p follow.
+``allowed_token_ids`` (every other token gets no probability), ``bad_words`` (a word's last token
+gets none where the text ends with the rest of it), ``min_tokens`` (the stop tokens get none on
+rows before it), ``logit_bias`` (added to the logits), then the repetition, frequency and presence
+penalties (``multispec.engine.penalties``). Temperature, min-p, top-k and top-p follow.
 
 The rows are a step's (each sample's root, then its draft nodes) or a prefill's (each prompt's
 last). A row's rules read only its request and the text before its position: the sample's output
@@ -29,14 +30,15 @@ class Rows:
     """The request's prompt where it has penalties, else ()."""
     generated: list
     """The tokens before the row (the sample's output, then the draft path) where the request has
-    penalties, else () (nothing reads them)."""
+    penalties or bad words, else () (nothing reads them)."""
     lengths: list[int]
     """How many tokens come before the row (output and path), for ``min_tokens``."""
 
 
 def rules_every_row(params) -> bool:
     """Whether a request's rules touch every row of it (all but ``min_tokens``, which ends)."""
-    return params.allowed_token_ids is not None or bool(params.logit_bias) or penalizes(params)
+    return (params.allowed_token_ids is not None or bool(params.logit_bias) or bool(params.bad_words)
+            or penalizes(params))
 
 
 def holds_stops(request, generated: int) -> bool:
@@ -61,7 +63,8 @@ def step_rows(samples: Sequence, trees: Sequence) -> Rows:
             paths.append(paths[parent + 1] + [token])
         rows.requests += [request] * len(paths)
         rows.prompts += [request.prompt_ids if penalized else ()] * len(paths)
-        rows.generated += [list(out) + path for path in paths] if penalized else [()] * len(paths)
+        texts = penalized or bool(request.bad_words_ids)
+        rows.generated += [list(out) + path for path in paths] if texts else [()] * len(paths)
         rows.lengths += [len(out) + len(path) for path in paths]
     return rows
 
@@ -99,6 +102,12 @@ def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
             keep[torch.tensor(params.allowed_token_ids, device=device)] = True
             out = writable()
             out[index] = out[index].masked_fill(~keep, float("-inf"))
+        if request.bad_words_ids:
+            banned = [(row, word[-1]) for row in own for word in request.bad_words_ids
+                      if _ends_with(rows.generated[row], word[:-1])]
+            if banned:
+                at = torch.tensor(banned, device=device)
+                writable()[at[:, 0], at[:, 1]] = float("-inf")
         if params.min_tokens:
             held = [row for row in own if rows.lengths[row] < params.min_tokens]
             stops = sorted(t for t in request.stop_ids if t < vocab)
@@ -112,3 +121,8 @@ def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
     if any(penalizes(r.params) for r, _ in members.values()):
         penalize_(writable(), rows.requests, rows.prompts, rows.generated)
     return logits if scored is None else scored
+
+
+def _ends_with(text: Sequence[int], prefix: Sequence[int]) -> bool:
+    """Whether the generated tokens ``text`` end with ``prefix`` (an empty prefix always)."""
+    return not prefix or (len(text) >= len(prefix) and list(text[len(text) - len(prefix):]) == list(prefix))

@@ -142,7 +142,8 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
                                                             min_p=0.0, repetition_penalty=1.0,
                                                             frequency_penalty=0.0, presence_penalty=0.0,
                                                             ignore_eos=False, min_tokens=0, logit_bias=None,
-                                                            allowed_token_ids=None, include_stop_str_in_output=False,
+                                                            allowed_token_ids=None, bad_words=None,
+                                                            include_stop_str_in_output=False,
                                                             skip_special_tokens=True))
         for i, ids in enumerate(prompts):
             name = f"prompt {i}" if len(prompts) > 1 else "the prompt"

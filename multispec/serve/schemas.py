@@ -21,7 +21,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
-    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "prompt_logprobs": (),
+    "allowed_token_ids": (), "logits_processors": ([],), "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
@@ -68,6 +68,7 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None

@@ -133,6 +133,29 @@ def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
         assert completion.finish_reason == "stop" and completion.text == first.text[:first.text.index(",", at)]
 
 
+def test_bad_words_are_never_completed(llm):
+    """vLLM's bad words: greedy "Count: 1, 2, 3," runs " 4, 5, 6, 7, ..."; with the bad word "6, 7"
+    (tokens 6 , space 7) the 7 after "6, " gets no probability and greedy takes the next likeliest,
+    the rest as plain; a one-token word never appears. Drafted steps (n-gram, which would copy the
+    counting, and seeded sampled consensus) give the plain samples, so each draft row is ruled by
+    its own path."""
+    prompt = "Count: 1, 2, 3,"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    word = llm.engine._bad_words_ids(["6, 7"])
+    assert word and all(len(ids) == 4 for ids in word)
+    banned = next(i for i in range(len(plain.token_ids)) if plain.token_ids[i - 3:i + 1] in word)
+    for spec in (None, SpecConfig(drafter="ngram", adaptive=False)):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, bad_words=["6, 7"]), spec)[0].outputs[0]
+        ids = out.token_ids
+        assert ids[:banned] == plain.token_ids[:banned] and ids[banned] != plain.token_ids[banned]
+        assert not any(ids[i:i + 4] in word for i in range(len(ids)))
+    seven = llm.tokenizer.encode("7", add_special_tokens=False)
+    sampled = SamplingParams(n=8, temperature=0.8, max_tokens=24, seed=2, bad_words=["7"])
+    outs = [llm.generate(prompt, sampled, spec)[0].outputs for spec in (None, SpecConfig(adaptive=False))]
+    assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
+    assert len(seven) == 1 and not any(seven[0] in c.token_ids for c in outs[0])
+
+
 def test_min_tokens_holds_back_the_end_of_a_chat_answer(llm):
     chat = [{"role": "user", "content": "Say hello."}]
     short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]

@@ -13,7 +13,8 @@ from multispec.engine.rules import holds_stops, prompt_rows, ruled, ruled_now, s
 
 
 def request(prompt, stops=(), **params):
-    return SimpleNamespace(params=SamplingParams(**params), prompt_ids=prompt, stop_ids=frozenset(stops))
+    return SimpleNamespace(params=SamplingParams(**params), prompt_ids=prompt, stop_ids=frozenset(stops),
+                           bad_words_ids=[])
 
 
 def test_rows_follow_their_own_path():
@@ -61,6 +62,20 @@ def test_min_tokens_holds_the_stops_of_rows_before_it():
     assert out.dtype == torch.float32 and not torch.isinf(logits.float()).any()  # a copy
     assert torch.isinf(out).nonzero().tolist() == [[0, 2], [0, 4], [1, 2], [1, 4], [3, 2], [3, 4]]
     assert ruled(logits, step_rows([SimpleNamespace(request=free, output_ids=[5])], [tree])) is logits
+
+
+def test_bad_words_follow_each_rows_path():
+    """A two-token word (5, 7) bans 7 on the rows whose text ends with 5: the root (the output ends
+    with 5) and the node under a 5, not the node under a 6; a one-token word (3) is banned on every
+    row; the prompt does not count."""
+    req = request([5], bad_words=["x"])
+    req.bad_words_ids = [[5, 7], [3]]
+    tree = SimpleNamespace(tokens=[6, 5, 1], parents=[-1, -1, 1])  # node 2 (token 1) under node 1 (token 5)
+    rows = step_rows([SimpleNamespace(request=req, output_ids=[2, 5])], [tree])
+    out = ruled(torch.zeros(4, 8), rows)
+    assert [torch.isinf(row).nonzero().flatten().tolist() for row in out] == [[3, 7], [3], [3, 7], [3]]
+    first = ruled(torch.zeros(1, 8), prompt_rows([req]))
+    assert ruled_now(req, 0) and torch.isinf(first).nonzero().tolist() == [[0, 3]]
 
 
 def test_rules_in_vllms_order():
