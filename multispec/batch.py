@@ -26,7 +26,8 @@ from multispec.serve.schemas import unsupported
 
 OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
-             "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens", "seed")
+             "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "include_stop_str_in_output",
+             "skip_special_tokens", "seed")
 """Sampling fields a request may set for itself."""
 
 

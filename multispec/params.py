@@ -89,7 +89,8 @@ class SamplingParams:
     tokens any probability, ``bad_words`` are never completed (the last token of a word gets no
     probability where the text ends with the rest of it; each word with and without a leading
     space), all as vLLM applies them, before the penalties and the temperature (see
-    ``multispec.engine.rules``). The text: a stop string is cut off unless
+    ``multispec.engine.rules``). ``truncate_prompt_tokens`` k keeps the prompt's last k tokens
+    (-1: as many as the context window leaves room for), as vLLM does. The text: a stop string is cut off unless
     ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
     False. ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
     many top ones; the first token has none), as vLLM reports them. ``logprobs`` asks for that many top
@@ -115,6 +116,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -164,6 +166,9 @@ class SamplingParams:
                 isinstance(w, str) and w.strip() for w in words)):
             raise _bad("bad_words", words, "must be a list of words (non-empty strings)")
         self.bad_words = list(words) if words else None
+        self.truncate_prompt_tokens = check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, none=True)
+        if self.truncate_prompt_tokens == 0:
+            raise _bad("truncate_prompt_tokens", 0, "must be >= 1 (the last k tokens) or -1 (as many as fit)")
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
         self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, none=True)

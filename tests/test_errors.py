@@ -35,6 +35,7 @@ SAMPLING_BAD = [
     ("logit_bias", {5: 101}), ("logit_bias", {5: math.nan}), ("logit_bias", {5: "1"}),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", "no"),
     ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [1]),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", "5"),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]),
     ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", True),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
@@ -200,6 +201,23 @@ def test_max_tokens_past_the_context_window_is_clipped_as_vllm_does(tiny):
     out = tiny.generate([prompt], SamplingParams(n=2, max_tokens=100, ignore_eos=True, seed=0), use_tqdm=False)[0]
     assert [len(c.token_ids) for c in out.outputs] == [6, 6]
     assert {c.finish_reason for c in out.outputs} == {"length"}
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm_does(tiny):
+    """k: the prompt's last k tokens, the same samples as that prompt given alone; -1: as many as
+    the context window leaves room for, so a prompt longer than the window runs instead of being
+    refused."""
+    prompt = [(7 * i) % 300 + 5 for i in range(40)]
+    sampling = SamplingParams(n=3, max_tokens=5, ignore_eos=True, seed=1)
+    cut = tiny.generate([prompt], SamplingParams(**{**vars(sampling), "truncate_prompt_tokens": 6}), use_tqdm=False)[0]
+    alone = tiny.generate([prompt[-6:]], sampling, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:] and [c.token_ids for c in cut.outputs] == [
+        c.token_ids for c in alone.outputs]
+    long = [5] * 300
+    with pytest.raises(ValueError, match="context window"):
+        tiny.generate([long], sampling, use_tqdm=False)
+    out = tiny.generate([long], SamplingParams(**{**vars(sampling), "truncate_prompt_tokens": -1}), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 255 and [len(c.token_ids) for c in out.outputs] == [1, 1, 1]
 
 
 CHAT_BAD = [

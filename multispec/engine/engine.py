@@ -152,6 +152,9 @@ class LLMEngine:
             raise ValueError(f"{subject} must be a list of token ids")
         if not ids:
             raise ValueError(f"{subject} is empty: give at least one token")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: as many as fit)
+            keep = params.truncate_prompt_tokens
+            ids = ids[-(self.config.max_model_len - 1 if keep == -1 else keep):]
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"{subject} has {len(ids)} tokens, more than the context window allows "
                              f"(max_model_len={self.config.max_model_len}, leaving room for 1 new token)")

@@ -89,10 +89,11 @@ def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConf
     inputs = _inputs(request, prompts, engine, default_spec, limits, max_tokens if generate else 1, request.logprobs,
                      {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"})
     if request.echo:
-        # A text prompt is echoed as given; token ids as their text.
+        # A text prompt is echoed as given; token ids, or a prompt cut to its last tokens, as their text.
         texts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
-        inputs.echo = [text if isinstance(text, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
-                       for text, ids in zip(texts, prompts)]
+        inputs.echo = [text if isinstance(text, str) and request.truncate_prompt_tokens is None
+                       else engine.tokenizer.decode(ids, skip_special_tokens=False)
+                       for text, ids in zip(texts, inputs.prompts)]
         inputs.generate = generate
         if request.logprobs is not None:
             inputs.params = replace(inputs.params, prompt_logprobs=request.logprobs)
@@ -125,6 +126,9 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     if n > limits.max_n:
         raise invalid("n", f"n={n}: this server draws at most {limits.max_n} samples per request")
     window = engine.config.max_model_len
+    keep = request.truncate_prompt_tokens  # checked with the other settings below
+    if isinstance(keep, int) and (keep >= 1 or keep == -1):
+        prompts = [ids[-(window - 1 if keep == -1 else keep):] for ids in prompts]
     longest = max(len(ids) for ids in prompts)
     if max_tokens is None:
         max_tokens = max(1, min(limits.max_tokens or window, window - longest))
@@ -143,6 +147,7 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
                                                             frequency_penalty=0.0, presence_penalty=0.0,
                                                             ignore_eos=False, min_tokens=0, logit_bias=None,
                                                             allowed_token_ids=None, bad_words=None,
+                                                            truncate_prompt_tokens=None,
                                                             include_stop_str_in_output=False,
                                                             skip_special_tokens=True))
         for i, ids in enumerate(prompts):

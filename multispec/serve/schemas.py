@@ -21,8 +21,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
-    "allowed_token_ids": (), "logits_processors": ([],), "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
+    "logits_processors": ([],), "prompt_logprobs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},),
@@ -69,6 +68,7 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None

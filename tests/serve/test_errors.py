@@ -33,6 +33,8 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"100000": 1}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
     ({"bad_words": [""]}, "bad_words"), ({"bad_words": "word"}, "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -3}, "truncate_prompt_tokens"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"skip_special_tokens": "maybe"}, "skip_special_tokens"),

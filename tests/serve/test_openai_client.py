@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from multispec import SamplingParams
@@ -149,6 +150,19 @@ def test_echo_scores_a_text_as_evaluation_harnesses_ask(client, tiny):
                                          stream=True, extra_body={"ignore_eos": True})
     texts, _, _ = stream_texts(streamed)
     assert texts[0] == tiny.tokenizer.decode(ids, skip_special_tokens=False) + want.outputs[0].text
+
+
+def test_truncate_prompt_tokens_runs_a_prompt_past_the_window(client, tiny):
+    """A prompt longer than the context window (256) is refused, and runs with its last tokens kept:
+    the usage counts those, the sample is LLM.generate's on them."""
+    prompt = [(7 * i) % 300 + 5 for i in range(300)]
+    base = dict(model="tiny", prompt=prompt, temperature=0.9, max_tokens=4, seed=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**base)
+    got = client.completions.create(extra_body={"truncate_prompt_tokens": 10, "ignore_eos": True}, **base)
+    want = tiny.generate([prompt[-10:]], SamplingParams(temperature=0.9, max_tokens=4, seed=2, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert got.usage.prompt_tokens == 10 and got.choices[0].text == want.text
 
 
 def test_logit_bias_and_allowed_token_ids_as_llm_generate(client, tiny):
