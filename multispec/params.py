@@ -55,6 +55,20 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
+def check_truncation(value) -> int | None:
+    """``truncate_prompt_tokens``: None, k >= 1 or -1, else a ValueError naming the field."""
+    value = check_int("truncate_prompt_tokens", value, -1, none=True)
+    if value == 0:
+        raise _bad("truncate_prompt_tokens", 0, "must be >= 1 (the last k tokens) or -1 (as many as fit)")
+    return value
+
+
+def prompt_tail(ids: list[int], keep: int | None, window: int) -> list[int]:
+    """The prompt ``truncate_prompt_tokens`` leaves, as vLLM cuts it: its last ``keep`` tokens
+    (-1: as many as a context window of ``window`` leaves room for; None: all of it)."""
+    return ids if keep is None else ids[-(window - 1 if keep == -1 else keep):]
+
+
 def _logit_bias(bias) -> dict[int, float] | None:
     """``logit_bias`` as {token id: float}: keys are ids >= 0 (ints, or their decimal strings as
     JSON writes them), values finite numbers in [-100, 100]; None or {} for none."""
@@ -166,9 +180,7 @@ class SamplingParams:
                 isinstance(w, str) and w.strip() for w in words)):
             raise _bad("bad_words", words, "must be a list of words (non-empty strings)")
         self.bad_words = list(words) if words else None
-        self.truncate_prompt_tokens = check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, none=True)
-        if self.truncate_prompt_tokens == 0:
-            raise _bad("truncate_prompt_tokens", 0, "must be >= 1 (the last k tokens) or -1 (as many as fit)")
+        self.truncate_prompt_tokens = check_truncation(self.truncate_prompt_tokens)
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
         self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, none=True)

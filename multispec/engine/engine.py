@@ -42,7 +42,8 @@ from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import default_cache_dir
 from multispec.models.registry import known_models, resolve_model
 from multispec.models.tokenizer import Tokenizer
-from multispec.params import HEAD_DRAFTERS, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig
+from multispec.params import (HEAD_DRAFTERS, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
+                              prompt_tail)
 from multispec.verify.sampling import sample_key, sample_rows
 from multispec.verify.schemes import resolve
 
@@ -152,9 +153,7 @@ class LLMEngine:
             raise ValueError(f"{subject} must be a list of token ids")
         if not ids:
             raise ValueError(f"{subject} is empty: give at least one token")
-        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: as many as fit)
-            keep = params.truncate_prompt_tokens
-            ids = ids[-(self.config.max_model_len - 1 if keep == -1 else keep):]
+        ids = prompt_tail(ids, params.truncate_prompt_tokens, self.config.max_model_len)
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"{subject} has {len(ids)} tokens, more than the context window allows "
                              f"(max_model_len={self.config.max_model_len}, leaving room for 1 new token)")

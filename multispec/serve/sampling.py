@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields, replace
 
-from multispec.params import SamplingParams, SpecConfig
+from multispec.params import SamplingParams, SpecConfig, check_truncation, prompt_tail
 from multispec.serve.errors import from_value_error, invalid
 from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                      unsupported)
@@ -126,9 +126,11 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     if n > limits.max_n:
         raise invalid("n", f"n={n}: this server draws at most {limits.max_n} samples per request")
     window = engine.config.max_model_len
-    keep = request.truncate_prompt_tokens  # checked with the other settings below
-    if isinstance(keep, int) and (keep >= 1 or keep == -1):
-        prompts = [ids[-(window - 1 if keep == -1 else keep):] for ids in prompts]
+    try:
+        keep = check_truncation(request.truncate_prompt_tokens)
+    except ValueError as error:
+        raise invalid("truncate_prompt_tokens", str(error)) from None
+    prompts = [prompt_tail(ids, keep, window) for ids in prompts]
     longest = max(len(ids) for ids in prompts)
     if max_tokens is None:
         max_tokens = max(1, min(limits.max_tokens or window, window - longest))
