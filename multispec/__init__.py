@@ -1,10 +1,10 @@
 """multispec: fast multi-sample generation with sibling-drafted, lossless speculative decoding."""
 
 from multispec.params import (CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, RunStats,
-                              SamplingParams, SpecConfig)
+                              SamplingParams, SpecConfig, StructuredOutputsParams)
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "SpecConfig", "RequestOutput", "RequestOutputKind",
-           "RequestMetrics", "CompletionOutput", "RunStats"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "SpecConfig", "StructuredOutputsParams", "RequestOutput",
+           "RequestOutputKind", "RequestMetrics", "CompletionOutput", "RunStats"]
 __version__ = "0.1.0"
 
 

@@ -88,6 +88,65 @@ def _logit_bias(bias) -> dict[int, float] | None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the text, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a
+    JSON schema, as a dict or its JSON text), ``regex`` (the whole text matches it), ``choice``
+    (the text is one of these strings), ``grammar`` (a Lark grammar, or llama.cpp's GBNF) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace`` keeps a JSON schema's or object's
+    text free of whitespace between its tokens (by default any amount is allowed, as in vLLM).
+
+    Each row of a step gets the grammar's mask for the text before it (the sample's output, then a
+    draft node's path), so the samples follow the constrained law exactly with or without
+    drafts (``multispec.engine.grammar``)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not None:
+            check_bool("structured_outputs.json_object", self.json_object)
+            if self.json_object:
+                given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar or json_object"
+                             + (f" (not {' and '.join(given)})" if given else ""))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise _bad("structured_outputs.json", self.json, "must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(f"structured_outputs.{name}", value, "must be a non-empty string")
+        choice = self.choice
+        if choice is not None:
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise _bad("structured_outputs.choice", choice, "must be a non-empty list of non-empty strings")
+            self.choice = list(choice)
+        check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next((name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None),
+                    "json_object")
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in fields(StructuredOutputsParams)})
+        if unknown:
+            raise _bad("structured_outputs", value, f"unknown field {unknown[0]!r}")
+        return StructuredOutputsParams(**value)
+    raise _bad("structured_outputs", value, "must be a StructuredOutputsParams, a dict of its fields, or None")
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings, named as in vLLM.
 
@@ -107,7 +166,9 @@ class SamplingParams:
     (-1: as many as the context window leaves room for), as vLLM does. The text: a stop string is cut off unless
     ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
     False. ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
-    many top ones; the first token has none), as vLLM reports them. ``logprobs`` asks for that many top
+    many top ones; the first token has none), as vLLM reports them. ``structured_outputs``
+    (``StructuredOutputsParams`` or a dict of its fields) constrains the text to a JSON schema, a
+    regex, a choice of strings or a grammar, exactly under speculation. ``logprobs`` asks for that many top
     log-probabilities per generated token (log-softmax of the raw logits, as vLLM reports them).
     ``seed`` makes a request reproducible: sample i's token at output position t is drawn with
     random numbers keyed by (seed, i, t), so a seeded request gives the same samples whatever it
@@ -136,6 +197,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         self.n = check_int("n", self.n, 1)
@@ -184,6 +246,10 @@ class SamplingParams:
         self.seed = check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, none=True)
         self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, none=True)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            raise _bad("min_tokens", self.min_tokens, "cannot be combined with structured_outputs: the grammar may "
+                       "allow nothing but the end of the text before min_tokens")
 
 
 @dataclass

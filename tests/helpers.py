@@ -72,13 +72,14 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
 
 def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
                 top_p: float = 1.0, min_p: float = 0.0, stop_token_ids: tuple = (), min_tokens: int = 0,
-                logit_bias: dict | None = None, allowed_token_ids: list | None = None, **penalties) -> dict:
+                logit_bias: dict | None = None, allowed_token_ids: list | None = None, allows=None, **penalties) -> dict:
     """Every token sequence of ``length`` whose exact probability under the sampling law (the
     temperature, top-k, top-p and min-p where given, and the penalties ``penalties`` names, applied
     to each prefix's text) is at least ``threshold``, found by expanding prefixes with plain prefill
     forwards. ``stop_token_ids`` end a sequence (it keeps its mass, shorter), except before
     ``min_tokens`` tokens, where they get no probability; ``allowed_token_ids`` leaves only those
-    tokens any; ``logit_bias`` is added before the penalties."""
+    tokens any; ``logit_bias`` is added before the penalties. ``allows(prefix)``, where given, is a
+    bool tensor of the tokens a grammar allows after ``prefix`` (applied first, as in the engine)."""
     request = SimpleNamespace(params=SamplingParams(**penalties))
     cells = {(): 1.0}
     for _ in range(length):
@@ -88,6 +89,8 @@ def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, thr
                 grown[prefix] = mass
                 continue
             logits = last_logits(llm, prompt_ids + list(prefix))[None].clone()
+            if allows is not None:
+                logits[0, ~allows(prefix)] = float("-inf")
             if allowed_token_ids is not None:
                 banned = torch.ones(logits.shape[-1], dtype=torch.bool)
                 banned[allowed_token_ids] = False

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from multispec import LLM, SamplingParams, SpecConfig
+from multispec import LLM, SamplingParams, SpecConfig, StructuredOutputsParams
 from multispec.cli import main
 from multispec.models import resolve_model
 
@@ -47,6 +47,35 @@ SAMPLING_BAD = [
 def test_sampling_params_name_the_field_and_value(field, value):
     with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
         SamplingParams(**{field: value})
+
+
+STRUCTURED_BAD = [
+    ({}, "structured_outputs: give exactly one of json, regex, choice, grammar or json_object"),
+    ({"regex": "a", "choice": ["a"]}, "(not regex and choice)"), ({"json_object": False}, "give exactly one"),
+    ({"json": 5}, "structured_outputs.json=5"), ({"regex": ""}, "structured_outputs.regex=''"),
+    ({"grammar": 3}, "structured_outputs.grammar=3"), ({"choice": []}, "structured_outputs.choice=[]"),
+    ({"choice": "a"}, "structured_outputs.choice='a'"), ({"choice": ["a", ""]}, "structured_outputs.choice=['a', '']"),
+    ({"json_object": "yes"}, "structured_outputs.json_object='yes'"),
+    ({"regex": "a", "disable_any_whitespace": 1}, "structured_outputs.disable_any_whitespace=1"),
+    ({"schema": {}}, "structured_outputs={'schema': {}}: unknown field 'schema'"),
+]
+
+
+@pytest.mark.parametrize("value,needle", STRUCTURED_BAD)
+def test_structured_outputs_name_the_field(value, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SamplingParams(structured_outputs=value)
+
+
+def test_structured_outputs_refuse_min_tokens_and_other_types():
+    """A grammar may allow only the end of the text before min_tokens, so the two are refused
+    together; a StructuredOutputsParams or a dict of its fields is taken, nothing else."""
+    with pytest.raises(ValueError, match=re.escape("min_tokens=2: cannot be combined with structured_outputs")):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
+    with pytest.raises(ValueError, match=re.escape("structured_outputs='a+'")):
+        SamplingParams(structured_outputs="a+")
+    assert SamplingParams(structured_outputs={"choice": ("a", "b")}).structured_outputs == StructuredOutputsParams(
+        choice=["a", "b"])
 
 
 def test_sampling_params_conventions():
@@ -161,6 +190,10 @@ GENERATE_BAD = [
     ({"sampling_params": SamplingParams(logit_bias={400: 1.0})}, "logit_bias={400: 1.0}"),
     ({"sampling_params": SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=1)},
      "allowed_token_ids=[3]: with min_tokens=1"),
+    ({"sampling_params": SamplingParams(structured_outputs={"regex": "(ab"})}, "structured_outputs.regex: "),
+    ({"sampling_params": SamplingParams(structured_outputs={"json": "{bad"})}, "structured_outputs.json: "),
+    ({"sampling_params": SamplingParams(structured_outputs={"grammar": "start: missing"})},
+     "structured_outputs.grammar: "),
     ({"spec": "consensus"}, "spec='consensus'"),
     ({"spec": SpecConfig(scheme="greedy")}, "scheme='greedy' is exact only at temperature 0"),
     ({"use_tqdm": "no"}, "use_tqdm='no'"),

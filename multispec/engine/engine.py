@@ -29,6 +29,7 @@ from multispec.drafters import DraftTree
 from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
+from multispec.engine.grammar import Grammars
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.rules import prompt_rows, ruled, ruled_now
 from multispec.engine.request import Request, Sample
@@ -101,6 +102,7 @@ class LLMEngine:
         on_gpu = self.device.type == "cuda"
         self._sync = (lambda: torch.cuda.synchronize(self.device)) if on_gpu else (lambda: None)
         self.vocab_size = model.config.vocab_size
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self.kv_dtype = config.kv_cache_dtype or self.dtype
         per_token = kv_bytes_per_token(model.config, self.kv_dtype)
         self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.kv_dtype, self.device,
@@ -189,6 +191,8 @@ class LLMEngine:
                           resolve(spec.scheme, spec.draft_law, params.temperature).name, lane_key(spec, params),
                           max_tokens + draft + 1)
         request.bad_words_ids = self._bad_words_ids(params.bad_words or ())
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         self.scheduler.check_fits(request)
         return request
 
@@ -385,7 +389,8 @@ class LLMEngine:
             request.samples = [Sample(request, i, self._next_sample_id + i, sample_key(request.seed, i),
                                       logprobs=[] if request.params.logprobs is not None else None,
                                       stream=self.tokenizer.stream(request.params.skip_special_tokens)
-                                      if request.tracks_text else None)
+                                      if request.tracks_text else None,
+                                      grammar=None if request.grammar is None else request.grammar.deep_copy())
                                for i in range(n)]
             self._next_sample_id += n
             request.unfinished = n

@@ -41,6 +41,12 @@ class Sample:
     sent_tokens: int = 0
     sent_text: int = 0
     sent_finish: bool = False
+    grammar: object = None
+    """The request's matcher (``structured_outputs``) copied for this sample, or None."""
+    grammar_seen: int = 0
+    """How many output tokens ``grammar`` has been fed (``multispec.engine.grammar.advance``)."""
+    grammar_ended: bool = False
+    """Whether it was fed an end of sequence (later rows are not masked)."""
 
     @property
     def root(self) -> int:
@@ -146,6 +152,8 @@ class Request:
     """The prompt tokens' log-probabilities, where the request asked (filled by the prefill)."""
     bad_words_ids: list[list[int]] = field(default_factory=list)
     """``bad_words`` as token ids (each word with and without a leading space, as vLLM has them)."""
+    grammar: object = None
+    """The compiled matcher of ``structured_outputs`` at the start of the text, or None."""
 
     @property
     def prompt_len(self) -> int:

@@ -1,5 +1,5 @@
 """A request's rules on the logits, applied to each row before the sampling law, in vLLM's order:
-``allowed_token_ids`` (every other token gets no probability), ``bad_words`` (a word's last token
+the grammar of ``structured_outputs`` (its mask, ``multispec.engine.grammar``), ``allowed_token_ids`` (every other token gets no probability), ``bad_words`` (a word's last token
 gets none where the text ends with the rest of it), ``min_tokens`` (the stop tokens get none on
 rows before it), ``logit_bias`` (added to the logits), then the repetition, frequency and presence
 penalties (``multispec.engine.penalties``). Temperature, min-p, top-k and top-p follow.
@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from multispec.engine.grammar import advance, masks
 from multispec.engine.penalties import penalize_, penalizes
 
 
@@ -33,12 +34,20 @@ class Rows:
     penalties or bad words, else () (nothing reads them)."""
     lengths: list[int]
     """How many tokens come before the row (output and path), for ``min_tokens``."""
+    grammars: list = None
+    """``(row, matcher, path)`` for each row the grammar of ``structured_outputs`` rules: the
+    matcher at the sample's output (a prefill's: the request's fresh one) and the draft path after
+    it (none after an end of sequence: see ``multispec.engine.grammar``)."""
+
+    def __post_init__(self):
+        if self.grammars is None:
+            self.grammars = []
 
 
 def rules_every_row(params) -> bool:
     """Whether a request's rules touch every row of it (all but ``min_tokens``, which ends)."""
     return (params.allowed_token_ids is not None or bool(params.logit_bias) or bool(params.bad_words)
-            or penalizes(params))
+            or penalizes(params) or params.structured_outputs is not None)
 
 
 def holds_stops(request, generated: int) -> bool:
@@ -61,6 +70,9 @@ def step_rows(samples: Sequence, trees: Sequence) -> Rows:
         paths: list[list[int]] = [[]]  # the root's, then each node's
         for token, parent in zip(tree.tokens, tree.parents):
             paths.append(paths[parent + 1] + [token])
+        if sample.grammar is not None and advance(sample):
+            rows.grammars += [(len(rows.requests) + k, sample.grammar, path) for k, path in enumerate(paths)
+                              if request.eos_ids.isdisjoint(path)]
         rows.requests += [request] * len(paths)
         rows.prompts += [request.prompt_ids if penalized else ()] * len(paths)
         texts = penalized or bool(request.bad_words_ids)
@@ -72,7 +84,8 @@ def step_rows(samples: Sequence, trees: Sequence) -> Rows:
 def prompt_rows(requests: Sequence) -> Rows:
     """The rows of a prefill: each prompt's last, before any generated token."""
     return Rows(list(requests), [r.prompt_ids if penalizes(r.params) else () for r in requests],
-                [() for _ in requests], [0] * len(requests))
+                [() for _ in requests], [0] * len(requests),
+                [(row, r.grammar, []) for row, r in enumerate(requests) if r.grammar is not None])
 
 
 def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -90,6 +103,12 @@ def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
                 scored = scored.clone()
         return scored
 
+    if rows.grammars:
+        masked, allowed = masks(rows.grammars, vocab, device)
+        if masked:
+            index = torch.tensor(masked, device=device)
+            out = writable()
+            out[index] = out[index].masked_fill(~allowed, float("-inf"))
     members: dict[int, tuple] = {}  # the rows of each request
     for row, request in enumerate(rows.requests):
         members.setdefault(id(request), (request, []))[1].append(row)

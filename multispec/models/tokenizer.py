@@ -97,6 +97,10 @@ class Tokenizer:
         """Every token text and its id (added tokens included)."""
         return self._backend.get_vocab(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The whole pipeline as ``tokenizer.json`` text (what other libraries load it from)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -15,11 +15,12 @@ The hybrid drafter (consensus and the same head) is walked as the others are: co
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2, chisquare, ncx2
 
-from multispec import LLM, SamplingParams, SpecConfig
+from multispec import LLM, SamplingParams, SpecConfig, StructuredOutputsParams
 from multispec.drafters import DRAFTERS
 from multispec.verify.schemes import NAMES, resolve
 from tests.helpers import exact_cells, last_logits, sampled_cells
@@ -273,6 +274,61 @@ def test_copied_drafts_under_min_tokens_return_the_plain_samples(successor):
     assert llm.last_stats.accepted_tokens > 100
     assert {c.finish_reason for c in plain.outputs} == {"stop", "length"}
     assert not any(set(c.token_ids[:4]) & set(law["stop_token_ids"]) for c in plain.outputs)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
+
+
+def grammar_law(llm, cells) -> tuple[dict, object]:
+    """``structured_outputs`` with a Lark grammar whose text starts with one of the eight likeliest
+    sequences of three tokens but the second likeliest, then goes on freely (written with
+    llguidance's token terminals ``<[id]>``: the tiny tokenizer's tokens are fragments of UTF-8);
+    and the tokens it allows after a prefix, read from llguidance's own mask (each bit a token,
+    unpacked apart from the engine's code). What it allows at a row depends on the tokens before
+    the row, so a draft node's row needs its own path's mask; after an end of sequence nothing is
+    masked (``ignore_eos``), as in the engine."""
+    ranked = sorted(cells, key=cells.get, reverse=True)[:8]
+    vocab = llm.engine.vocab_size
+    heads = " | ".join(" ".join(f"<[{t}]>" for t in k) for i, k in enumerate(ranked) if i != 1)
+    lark = f"start: head rest\nhead: {heads}\nrest: <[0-{vocab - 1}]>*\n"
+    template = llm.engine.grammars.matcher(StructuredOutputsParams(grammar=lark))
+    eos = set(llm.tokenizer.eos_token_ids)
+
+    def allows(prefix) -> torch.Tensor:
+        if eos & set(prefix):
+            return torch.ones(vocab, dtype=torch.bool)
+        matcher = template.deep_copy()
+        assert matcher.consume_tokens(list(prefix))
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:vocab].astype(bool))
+
+    return {"structured_outputs": {"grammar": lark}}, allows
+
+
+@pytest.mark.parametrize("drafter,sampled", [("consensus", True), ("model", False), ("hybrid", True)])
+def test_structured_outputs_hold_under_speculation(successor, drafter, sampled):
+    """A grammar masks every row by the text before it, a draft node's by its path: the first three
+    tokens follow the exact constrained law, which moves more than a tenth of the plain law's
+    mass."""
+    llm, prompt, plain_cells = successor
+    law, allows = grammar_law(llm, plain_cells)
+    cells = exact_cells(llm, prompt, TEMPERATURE, LENGTH, threshold=0.004, allows=allows)
+    moved = sum(abs(cells.get(k, 0.0) - plain_cells.get(k, 0.0)) for k in set(cells) | set(plain_cells)) / 2
+    assert moved > 0.1
+    spec = configure(drafter, sampled, "auto", "tree")
+    assert_first_tokens_follow_the_law(llm, prompt, cells, spec, **law)
+
+
+def test_copied_drafts_under_structured_outputs_return_the_plain_samples(successor):
+    """Seeded copied drafts give the seeded plain samples token for token under a grammar, and
+    every sample's tokens are ones the grammar allows."""
+    llm, prompt, cells = successor
+    law, allows = grammar_law(llm, cells)
+    sampling = SamplingParams(n=200, temperature=TEMPERATURE, max_tokens=8, ignore_eos=True, seed=7, **law)
+    plain = llm.generate([prompt], sampling, SpecConfig(), use_tqdm=False)[0]
+    got = llm.generate([prompt], sampling, configure("consensus", False, "auto", "tree"), use_tqdm=False)[0]
+    assert llm.last_stats.accepted_tokens > 100
+    for completion in plain.outputs:
+        ids = completion.token_ids
+        assert all(allows(ids[:i])[ids[i]] for i in range(len(ids)))
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in plain.outputs]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 import transformers
@@ -151,9 +154,47 @@ def test_bad_words_are_never_completed(llm):
         assert not any(ids[i:i + 4] in word for i in range(len(ids)))
     seven = llm.tokenizer.encode("7", add_special_tokens=False)
     sampled = SamplingParams(n=8, temperature=0.8, max_tokens=24, seed=2, bad_words=["7"])
-    outs = [llm.generate(prompt, sampled, spec)[0].outputs for spec in (None, SpecConfig(adaptive=False))]
+    outs = []
+    for spec in (None, SpecConfig(drafter="consensus", adaptive=False)):
+        outs.append(llm.generate(prompt, sampled, spec)[0].outputs)
+        assert spec is None or llm.last_stats.accepted_tokens > 0
     assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
     assert len(seven) == 1 and not any(seven[0] in c.token_ids for c in outs[0])
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 120},
+                                                 "answer": {"type": "integer"}},
+                 "required": ["reasoning", "answer"], "additionalProperties": False}
+
+
+def test_structured_outputs_on_a_real_model(llm):
+    """A JSON schema, a choice and a regex on the default model: every answer that ends parses and
+    follows its constraint, with plain decoding, sibling drafts and the hybrid's drawn ones; seeded
+    copied drafts give the seeded plain samples, so a drafted row is masked by its own path."""
+    question = [{"role": "user", "content": "A farmer has 3 pens with 12 hens each. How many hens? Answer in JSON."}]
+    json_law = SamplingParams(n=6, temperature=0.8, max_tokens=96, seed=4, structured_outputs={"json": ANSWER_SCHEMA})
+    outs = {}
+    for name, spec in (("plain", None), ("consensus", SpecConfig(drafter="consensus", adaptive=False)),
+                       ("hybrid", SpecConfig(drafter="hybrid", adaptive=False))):
+        outs[name] = llm.chat(question, json_law, spec)[0].outputs
+        if spec is not None:
+            assert llm.last_stats.accepted_tokens > 0
+        for completion in outs[name]:
+            if completion.finish_reason == "stop":
+                answer = json.loads(completion.text)
+                assert set(answer) == {"reasoning", "answer"} and isinstance(answer["answer"], int)
+                assert len(answer["reasoning"]) <= 120
+    assert sum(c.finish_reason == "stop" for c in outs["plain"]) >= 3
+    assert [c.token_ids for c in outs["consensus"]] == [c.token_ids for c in outs["plain"]]
+    choice = SamplingParams(n=8, temperature=1.0, max_tokens=8, seed=1,
+                            structured_outputs={"choice": ["Paris", "Lyon", "Marseille"]})
+    regex = SamplingParams(n=8, temperature=1.0, max_tokens=24, seed=1,
+                           structured_outputs={"regex": r"\(\d{3}\) \d{3}-\d{4}"})
+    for spec in (None, SpecConfig(drafter="consensus", adaptive=False)):
+        cities = llm.generate("The capital of France is", choice, spec)[0].outputs
+        assert all(c.finish_reason == "stop" and c.text in ("Paris", "Lyon", "Marseille") for c in cities)
+        phones = llm.generate("Call me at", regex, spec)[0].outputs
+        assert all(c.finish_reason == "stop" and re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", c.text) for c in phones)
 
 
 def test_min_tokens_holds_back_the_end_of_a_chat_answer(llm):

@@ -1,0 +1,114 @@
+"""Structured outputs: a grammar's mask on every row, exact under speculation.
+
+A request with ``structured_outputs`` holds a compiled matcher (llguidance, the library vLLM's
+"guidance" backend runs), and each of its samples a copy, advanced through the sample's output as
+tokens are accepted. A row of a step gets the mask the grammar gives after the text before it: the
+sample's output for its root, and for a draft node the output and the node's path (the matcher
+advanced along the path, then rolled back). So every row has the law plain decoding under the
+grammar gives its position, and a drafted token the grammar forbids has no probability and is
+rejected. A row whose path leaves the grammar is never reached (its parent's token is rejected) and is left
+unmasked. Where a grammar's text is complete it allows only the end of sequence; the rows after an
+end of sequence (with ``ignore_eos``, a sample goes on) are left unmasked, as vLLM leaves them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from multispec.params import StructuredOutputsParams
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for ``params``, or a ValueError naming the field."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = params.kind
+    field = f"structured_outputs.{kind}"
+    whitespace = {"whitespace_flexible": not params.disable_any_whitespace}
+    try:
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            return LLMatcher.grammar_from_json_schema(schema, defaults=whitespace)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=whitespace)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return grammar_from("choice", params.choice)
+        return grammar_from("grammar", params.grammar)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{field}: {_one_line(error)}") from None
+
+
+def _one_line(error) -> str:
+    """A compiler's message on one line (llguidance's regex errors span several)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip() and set(line.strip()) != {"^"})
+    return (text or type(error).__name__)[:300]
+
+
+class Grammars:
+    """The model's tokenizer as llguidance reads it (built on first use, a fraction of a second),
+    and the matchers of requests."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll = None
+
+    @property
+    def tokenizer(self):
+        if self._ll is None:
+            from llguidance import LLTokenizer
+
+            self._ll = LLTokenizer(self._tokenizer.backend_json(), n_vocab=self.vocab_size,
+                                   eos_token=list(self._tokenizer.eos_token_ids))
+        return self._ll
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for ``params`` (a request's template: its samples take copies), or a
+        ValueError naming the field where the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        grammar = grammar_text(params)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed:
+            raise ValueError(f"structured_outputs.{params.kind}: {_one_line(messages[0] if messages else 'invalid')}")
+        return LLMatcher(self.tokenizer, grammar, log_level=0)
+
+
+def advance(sample) -> bool:
+    """Feed the sample's matcher the output tokens it has not seen, up to an end of sequence;
+    whether the grammar still rules the sample's rows (no end of sequence yet)."""
+    matcher, output, eos = sample.grammar, sample.output_ids, sample.request.eos_ids
+    while sample.grammar_seen < len(output) and not sample.grammar_ended:
+        token = output[sample.grammar_seen]
+        matcher.consume_token(token)
+        sample.grammar_seen += 1
+        sample.grammar_ended = token in eos
+    return not sample.grammar_ended
+
+
+def masks(rows: list[tuple], vocab: int, device) -> tuple[list[int], torch.Tensor | None]:
+    """For ``rows`` (each ``(row, matcher, path)``: the matcher at the text before the path, which
+    holds no end of sequence), the rows the grammar masks and a bool tensor [k, vocab] of the
+    tokens it allows on each."""
+    words = (vocab + 31) // 32
+    bits = torch.empty(len(rows), words, dtype=torch.int32)
+    base, size = bits.data_ptr(), words * 4
+    masked: list[int] = []
+    for row, matcher, path in rows:
+        if matcher.is_error():  # never after tokens drawn under its masks
+            continue
+        took = matcher.try_consume_tokens(path) if path else 0
+        if took == len(path):
+            matcher.unsafe_compute_mask_ptr(base + len(masked) * size, size)
+            masked.append(row)
+        if took:
+            matcher.rollback(took)
+    if not masked:
+        return [], None
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[:len(masked), :, None] >> shifts) & 1).bool().view(len(masked), words * 32)[:, :vocab]
+    return masked, allowed.to(device)
