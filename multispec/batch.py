@@ -3,7 +3,7 @@
 Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat, given the
 model's template), optionally sampling fields overriding the command line's (``OVERRIDES``), and
 any ``id``; keys that would change the output in a way the engine does not offer (the server's
-``UNSUPPORTED``: beam search, guided decoding, ...) are refused unless they ask for
+``UNSUPPORTED``: beam search, tools, ...) are refused unless they ask for
 nothing, and other keys are ignored. Each output line, in input order, holds the request's
 ``index`` (its line among the requests, from 0), its ``id`` when it had one, the completions
 (text, token count, finish reason) and the token usage. The whole file is checked before any
@@ -27,7 +27,7 @@ from multispec.serve.schemas import unsupported
 OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
              "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "include_stop_str_in_output",
-             "skip_special_tokens", "seed")
+             "skip_special_tokens", "seed", "structured_outputs")
 """Sampling fields a request may set for itself."""
 
 

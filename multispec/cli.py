@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from multispec.devices import DTYPES, KV_CACHE_DTYPES
@@ -55,6 +56,54 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
                         help="no stop token or stop string before a sample has this many tokens (default: 0)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _add_structured_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured outputs (at most one; exact under speculation)")
+    group.add_argument("--json-schema", metavar="FILE_OR_JSON", help="every sample is JSON following this schema")
+    group.add_argument("--json-object", action="store_true", help="every sample is a JSON object")
+    group.add_argument("--regex", help="every sample matches this regular expression")
+    group.add_argument("--choice", action="append", default=None,
+                       help="every sample is one of these strings (repeatable)")
+    group.add_argument("--grammar", metavar="FILE_OR_TEXT", help="a Lark grammar, or llama.cpp's GBNF")
+    group.add_argument("--disable-any-whitespace", action="store_true",
+                       help="no whitespace between JSON tokens (by default any is allowed)")
+
+
+def _text_or_file(flag: str, value: str) -> str:
+    """A flag's value, or the text of the file it names."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"{flag} {value}: {error.strerror}") from None
+    return value
+
+
+def _structured(args) -> dict | None:
+    """``structured_outputs`` from the generate flags (checked by ``SamplingParams``)."""
+    rule = {}
+    if args.json_schema is not None:
+        text = _text_or_file("--json-schema", args.json_schema)
+        try:
+            rule["json"] = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--json-schema: neither a file nor JSON text ({error})") from None
+    if args.json_object:
+        rule["json_object"] = True
+    if args.regex is not None:
+        rule["regex"] = args.regex
+    if args.choice is not None:
+        rule["choice"] = args.choice
+    if args.grammar is not None:
+        rule["grammar"] = _text_or_file("--grammar", args.grammar)
+    if len(rule) > 1:
+        raise ValueError(f"--{' and --'.join(k.replace('_', '-') for k in rule)}: give at most one "
+                         f"of --json-schema, --json-object, --regex, --choice and --grammar")
+    if rule and args.disable_any_whitespace:
+        rule["disable_any_whitespace"] = True
+    return rule or None
 
 
 def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
@@ -116,7 +165,7 @@ def cmd_generate(args) -> int:
         prompts = [args.prompt]
     else:
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
-    params, spec = _sampling(args), _spec(args)
+    params, spec = replace(_sampling(args), structured_outputs=_structured(args)), _spec(args)
     spec.check_temperature(params.temperature)
     llm = _llm(args)
     if args.chat:
@@ -216,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _add_structured_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     gsm = sub.add_parser("gsm8k", help="self-consistency on GSM8K test questions: n samples, majority vote")

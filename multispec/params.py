@@ -127,6 +127,9 @@ class StructuredOutputsParams:
                 raise _bad("structured_outputs.choice", choice, "must be a non-empty list of non-empty strings")
             self.choice = list(choice)
         check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        from multispec.engine.grammar import check
+
+        check(self)  # the grammar compiles (its syntax, the schema's rules), before any model is loaded
 
     @property
     def kind(self) -> str:

@@ -72,7 +72,8 @@ def last_logits(llm, ids: list[int]) -> torch.Tensor:
 
 def exact_cells(llm, prompt_ids: list[int], temperature: float, length: int, threshold: float, *, top_k: int = 0,
                 top_p: float = 1.0, min_p: float = 0.0, stop_token_ids: tuple = (), min_tokens: int = 0,
-                logit_bias: dict | None = None, allowed_token_ids: list | None = None, allows=None, **penalties) -> dict:
+                logit_bias: dict | None = None, allowed_token_ids: list | None = None, allows=None,
+                **penalties) -> dict:
     """Every token sequence of ``length`` whose exact probability under the sampling law (the
     temperature, top-k, top-p and min-p where given, and the penalties ``penalties`` names, applied
     to each prefix's text) is at least ``threshold``, found by expanding prefixes with plain prefill

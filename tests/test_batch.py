@@ -33,12 +33,14 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
         {"prompt": "Hello world", "seed": 5, "logit_bias": {"17": 100}, "min_tokens": 3, "stop": ["o"],
          "include_stop_str_in_output": True},
         {"prompt": "Hello world", "allowed_token_ids": [17, 18], "truncate_prompt_tokens": 1},
+        {"prompt": "Hello world", "seed": 6, "max_tokens": 20, "structured_outputs": {"choice": ["brown fox", "dog"]}},
     )
     assert batch(successor_dir, requests, tmp_path / "out.jsonl", "--n", "2", "--max-tokens", "6") == 0
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["index"] for r in results] == [0, 1, 2, 3, 4, 5]
-    assert [r.get("id") for r in results] == ["first", None, 7, None, None, None]
-    assert [len(r["completions"]) for r in results] == [2, 3, 2, 2, 2, 2]
+    assert [r["index"] for r in results] == [0, 1, 2, 3, 4, 5, 6]
+    assert [r.get("id") for r in results] == ["first", None, 7, None, None, None, None]
+    assert [len(r["completions"]) for r in results] == [2, 3, 2, 2, 2, 2, 2]
+    assert all(c["text"] in ("brown fox", "dog") and c["finish_reason"] == "stop" for c in results[6]["completions"])
     assert results[5]["usage"]["prompt_tokens"] == 1
     assert all(c["tokens"] <= 4 for c in results[1]["completions"])
     for result in results:
@@ -56,7 +58,7 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
                                                           stop=["o"], include_stop_str_in_output=True),
                           use_tqdm=False)[0]
     assert [c["text"] for c in results[4]["completions"]] == [c.text for c in ruled.outputs]
-    assert "6 requests, 13 completions" in capsys.readouterr().err
+    assert "7 requests, 15 completions" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [
@@ -74,6 +76,7 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     ({"prompt": "hi", "frequency_penalty": 3}, "line 2: frequency_penalty=3"),
     ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "line 2: min_tokens=5"),
     ({"prompt": "hi", "logit_bias": {"a": 1}}, "line 2: logit_bias={'a': 1}"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "(ab"}}, "line 2: structured_outputs.regex: "),
 ])
 def test_a_bad_line_is_named(line, message, tmp_path, capsys):
     requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)

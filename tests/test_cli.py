@@ -109,3 +109,21 @@ def test_generate_with_a_bfloat16_kv_cache_says_so(successor_dir):
     assert result.returncode == 0, result.stderr
     assert "float32, KV cache bfloat16" in result.stderr
     assert len(json.loads(result.stdout.splitlines()[0])["samples"]) == 2
+
+
+def test_generate_with_structured_outputs(successor_dir, tmp_path):
+    """--json-schema (a file) and --choice on the tiny model: every sample follows its constraint,
+    with the consensus drafter (bad values: tests/test_errors.py)."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"animal": {"enum": ["fox", "dog"]}},
+                                  "required": ["animal"], "additionalProperties": False}))
+    base = ["generate", "--model", str(successor_dir), "--dtype", "float32", "--prompt", "The quick", "--n", "4",
+            "--max-tokens", "40", "--seed", "0", "--json", "--drafter", "consensus"]
+    for flags, check in ((["--json-schema", str(schema), "--disable-any-whitespace"],
+                          lambda text: json.loads(text)["animal"] in ("fox", "dog")),
+                         (["--choice", "brown fox", "--choice", "lazy dog"],
+                          lambda text: text in ("brown fox", "lazy dog"))):
+        result = run_cli(*base, *flags)
+        assert result.returncode == 0, result.stderr
+        samples = json.loads(result.stdout.splitlines()[0])["samples"]
+        assert all(s["finish_reason"] == "stop" and check(s["text"]) for s in samples), samples

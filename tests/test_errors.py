@@ -58,6 +58,12 @@ STRUCTURED_BAD = [
     ({"json_object": "yes"}, "structured_outputs.json_object='yes'"),
     ({"regex": "a", "disable_any_whitespace": 1}, "structured_outputs.disable_any_whitespace=1"),
     ({"schema": {}}, "structured_outputs={'schema': {}}: unknown field 'schema'"),
+    # compiled on construction: the syntax and the schema's rules, before any model is loaded
+    ({"regex": "(ab"}, "structured_outputs.regex: at 1(8): invalid regex"),
+    ({"json": "{bad"}, "structured_outputs.json: "),
+    ({"json": {"type": "frobnicate"}}, "structured_outputs.json: Invalid type: frobnicate"),
+    ({"grammar": "start: missing"}, 'structured_outputs.grammar: at 1(8): unknown name: "missing"'),
+    ({"grammar": 'root ::= "a" | b'}, "structured_outputs.grammar: Failed to convert the grammar from GBNF to Lark"),
 ]
 
 
@@ -190,10 +196,10 @@ GENERATE_BAD = [
     ({"sampling_params": SamplingParams(logit_bias={400: 1.0})}, "logit_bias={400: 1.0}"),
     ({"sampling_params": SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=1)},
      "allowed_token_ids=[3]: with min_tokens=1"),
-    ({"sampling_params": SamplingParams(structured_outputs={"regex": "(ab"})}, "structured_outputs.regex: "),
-    ({"sampling_params": SamplingParams(structured_outputs={"json": "{bad"})}, "structured_outputs.json: "),
-    ({"sampling_params": SamplingParams(structured_outputs={"grammar": "start: missing"})},
-     "structured_outputs.grammar: "),
+    ({"sampling_params": SamplingParams(structured_outputs={"grammar": "start: <|nope|>"})},
+     'structured_outputs.grammar: at 1(8): unknown special token: "<|nope|>"'),  # the vocabulary's, at the request
+    ({"sampling_params": SamplingParams(structured_outputs={"grammar": "start: <[400]>"})},
+     "structured_outputs.grammar: at 1(8): Token range end too large: 400"),
     ({"spec": "consensus"}, "spec='consensus'"),
     ({"spec": SpecConfig(scheme="greedy")}, "scheme='greedy' is exact only at temperature 0"),
     ({"use_tqdm": "no"}, "use_tqdm='no'"),
@@ -288,6 +294,11 @@ CLI_BAD = [
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--sampled-drafts"], "drafter='ngram'"),
     (["generate", "--prompt", "hi", "--scheme", "greedy"], "scheme='greedy' is exact only at temperature 0"),
     (["generate"], "--prompt"),
+    (["generate", "--prompt", "hi", "--regex", "a+", "--choice", "a"],
+     "--regex and --choice: give at most one of --json-schema, --json-object, --regex, --choice and --grammar"),
+    (["generate", "--prompt", "hi", "--json-schema", "{type"], "--json-schema: neither a file nor JSON text"),
+    (["generate", "--prompt", "hi", "--choice", ""], "structured_outputs.choice=['']"),
+    (["generate", "--prompt", "hi", "--json-object", "--min-tokens", "2"], "min_tokens=2: cannot be combined"),
     (["generate", "--prompts-file", "/tmp/definitely/nope.txt"], "nope.txt"),
     (["gsm8k", "--offset", "100000"], "offset=100000"),
     (["gsm8k", "--questions", "0"], "--questions=0"),

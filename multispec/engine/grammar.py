@@ -42,6 +42,18 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise ValueError(f"{field}: {_one_line(error)}") from None
 
 
+def check(params: StructuredOutputsParams) -> str:
+    """The grammar for ``params`` once it compiles without a tokenizer (syntax, the schema's own
+    rules), or a ValueError naming the field; the engine checks it again against its vocabulary."""
+    from llguidance import LLMatcher
+
+    grammar = grammar_text(params)
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise ValueError(f"structured_outputs.{params.kind}: {_one_line(messages[0] if messages else 'invalid')}")
+    return grammar
+
+
 def _one_line(error) -> str:
     """A compiler's message on one line (llguidance's regex errors span several)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip() and set(line.strip()) != {"^"})
@@ -71,7 +83,7 @@ class Grammars:
         ValueError naming the field where the grammar does not compile."""
         from llguidance import LLMatcher
 
-        grammar = grammar_text(params)
+        grammar = check(params)
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
             raise ValueError(f"structured_outputs.{params.kind}: {_one_line(messages[0] if messages else 'invalid')}")

@@ -1,5 +1,6 @@
 """A request's rules on the logits, applied to each row before the sampling law, in vLLM's order:
-the grammar of ``structured_outputs`` (its mask, ``multispec.engine.grammar``), ``allowed_token_ids`` (every other token gets no probability), ``bad_words`` (a word's last token
+the grammar of ``structured_outputs`` (its mask, ``multispec.engine.grammar``),
+``allowed_token_ids`` (every other token gets no probability), ``bad_words`` (a word's last token
 gets none where the text ends with the rest of it), ``min_tokens`` (the stop tokens get none on
 rows before it), ``logit_bias`` (added to the logits), then the repetition, frequency and presence
 penalties (``multispec.engine.penalties``). Temperature, min-p, top-k and top-p follow.

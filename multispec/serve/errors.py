@@ -45,7 +45,7 @@ def invalid(param: str | None, message: str) -> APIError:
     return APIError(400, message, param, "invalid_value")
 
 
-_FIELD = re.compile(r"^(\w+)=")
+_FIELD = re.compile(r"^(\w+)(?:\.\w+)*(?:=|: )")
 
 
 def from_value_error(error: ValueError, params: dict[str, str], prompt_param: str) -> APIError:

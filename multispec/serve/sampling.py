@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields, replace
 
-from multispec.params import SamplingParams, SpecConfig, check_truncation, prompt_tail
+from multispec.params import SamplingParams, SpecConfig, StructuredOutputsParams, check_truncation, prompt_tail
 from multispec.serve.errors import from_value_error, invalid
 from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                      unsupported)
@@ -141,8 +141,10 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
         raise invalid(names["max_tokens"], f"this model's context is {window} tokens, but the prompt has {longest} "
                                            f"and {names['max_tokens']}={max_tokens} asks for more than the rest")
     spec = speculation(default_spec, request.speculation)
+    constraint, names["structured_outputs"] = structured_outputs(request)
     try:
         params = SamplingParams(
+            structured_outputs=constraint,
             n=n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed, stop=request.stop,
             stop_token_ids=request.stop_token_ids, **_given(request, temperature=1.0, top_p=1.0, top_k=0,
                                                             min_p=0.0, repetition_penalty=1.0,
@@ -158,6 +160,38 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     except ValueError as error:
         raise from_value_error(error, names, names["prompt"]) from None
     return EngineInputs(prompts, params, spec)
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's older request fields and the ``StructuredOutputsParams`` field each sets."""
+
+
+def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsParams | dict | None, str]:
+    """The request's constraint on the text and the field that gave it: ``structured_outputs``,
+    OpenAI's ``response_format`` or one of vLLM's ``guided_*`` fields (at most one of them)."""
+    given = {name: getattr(request, name) for name in ("structured_outputs", "response_format", *GUIDED)
+             if getattr(request, name) is not None}
+    if request.response_format is not None and request.response_format.get("type") == "text":
+        given.pop("response_format")
+    if len(given) > 1:
+        first, second = list(given)[:2]
+        raise invalid(second, f"{first} and {second} both constrain the text: give one of them")
+    if not given:
+        return None, "structured_outputs"
+    (name, value), = given.items()
+    if name in GUIDED:
+        return {GUIDED[name]: value}, name
+    if name == "structured_outputs":
+        return value, name
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}, name
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, str)):
+            raise invalid(name, "response_format.json_schema must be an object whose 'schema' is a JSON schema")
+        return {"json": schema["schema"]}, name
+    raise invalid(name, f"response_format.type={kind!r}: must be 'text', 'json_object' or 'json_schema'")
 
 
 def _check_extra_fields(request: GenerationRequest) -> None:

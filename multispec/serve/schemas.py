@@ -18,11 +18,10 @@ UNSUPPORTED: dict[str, tuple] = {
     # OpenAI's
     "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],),
-    "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "function_call": ("none", "auto"),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": ([],), "prompt_logprobs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},),
 }
@@ -71,6 +70,17 @@ class GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type":
+    "json_object"}`` or ``{"type": "text"}``."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: ``StructuredOutputsParams``' fields (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``, ``disable_any_whitespace``)."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older spellings of ``structured_outputs``' fields."""
     return_tokens_as_token_ids: bool | None = None
     """Log-probabilities name tokens as ``token_id:<id>`` instead of their text (vLLM's extra)."""
     speculation: dict[str, Any] | None = None

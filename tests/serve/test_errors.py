@@ -37,7 +37,14 @@ BAD_COMPLETIONS = [
     ({"truncate_prompt_tokens": -3}, "truncate_prompt_tokens"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"guided_regex": "[0-9]+"}, "guided_regex"), ({"skip_special_tokens": "maybe"}, "skip_special_tokens"),
+    ({"skip_special_tokens": "maybe"}, "skip_special_tokens"),
+    ({"guided_regex": "(ab"}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{bad"}, "guided_json"), ({"guided_grammar": "start: missing"}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"schema": {}}}, "structured_outputs"),
+    ({"structured_outputs": "a+"}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "min_tokens"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "hi"}]}, "messages"),
@@ -47,7 +54,12 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"stop": [""]}, "stop"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
 ]
 
 

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from multispec import SamplingParams
@@ -184,6 +186,41 @@ def test_logit_bias_and_allowed_token_ids_as_llm_generate(client, tiny):
             assert set(expected.token_ids) <= set(rule["allowed_token_ids"])
         else:
             assert expected.token_ids[0] != want.token_ids[0]
+
+
+class Animal(pydantic.BaseModel):
+    animal: Literal["fox", "dog"]
+    legs: int
+
+
+def test_structured_outputs_through_the_official_client(client, tiny):
+    """OpenAI's ``response_format`` (a pydantic model through the client's ``parse``, and
+    ``json_object``), vLLM's ``structured_outputs`` and an older ``guided_choice``: every finished
+    answer follows its constraint, and a seeded sample is LLM.generate's with the same one (the
+    server drafts with consensus, so drafted rows are masked by their paths there too)."""
+    parsed = client.beta.chat.completions.parse(model="tiny", messages=CHAT, n=4, temperature=0.8, seed=1,
+                                                max_completion_tokens=120, response_format=Animal)
+    finished = [c for c in parsed.choices if c.finish_reason == "stop"]
+    assert finished and all(isinstance(c.message.parsed, Animal) for c in finished)
+    objects = client.chat.completions.create(model="tiny", messages=CHAT, n=4, temperature=0.8, seed=1,
+                                             max_completion_tokens=120, response_format={"type": "json_object"})
+    assert all(isinstance(json.loads(c.message.content), dict) for c in objects.choices if c.finish_reason == "stop")
+    schema = {"type": "object", "properties": {"animal": {"enum": ["fox", "dog"]}}, "required": ["animal"],
+              "additionalProperties": False}
+    for fields, rule in (({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                          {"json": schema, "disable_any_whitespace": True}),
+                         ({"guided_choice": ["quick brown fox", "lazy dog"]},
+                          {"choice": ["quick brown fox", "lazy dog"]})):
+        got = client.completions.create(model="tiny", prompt=PROMPT, n=6, max_tokens=40, temperature=1.0, seed=2,
+                                        extra_body=fields)
+        want = tiny.generate([PROMPT], SamplingParams(n=6, max_tokens=40, temperature=1.0, seed=2,
+                                                      structured_outputs=rule), use_tqdm=False)[0].outputs
+        assert [c.text for c in got.choices] == [c.text for c in want]
+        assert all(c.finish_reason == "stop" for c in want)
+        if "choice" in rule:
+            assert {c.text for c in want} <= set(rule["choice"])
+        else:
+            assert all(json.loads(c.text)["animal"] in ("fox", "dog") and " " not in c.text for c in want)
 
 
 @pytest.mark.parametrize("stream", [False, True])
