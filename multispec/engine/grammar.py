@@ -102,10 +102,10 @@ def advance(sample) -> bool:
     return not sample.grammar_ended
 
 
-def masks(rows: list[tuple], vocab: int, device) -> tuple[list[int], torch.Tensor | None]:
+def masks(rows: list[tuple], vocab: int) -> tuple[list[int], torch.Tensor | None]:
     """For ``rows`` (each ``(row, matcher, path)``: the matcher at the text before the path, which
-    holds no end of sequence), the rows the grammar masks and a bool tensor [k, vocab] of the
-    tokens it allows on each."""
+    holds no end of sequence), the rows the grammar masks and their bitmasks, int32 [k, words]:
+    token ``w * 32 + b`` at bit b of word w, set where the grammar allows it."""
     words = (vocab + 31) // 32
     bits = torch.empty(len(rows), words, dtype=torch.int32)
     base, size = bits.data_ptr(), words * 4
@@ -119,8 +119,23 @@ def masks(rows: list[tuple], vocab: int, device) -> tuple[list[int], torch.Tenso
             masked.append(row)
         if took:
             matcher.rollback(took)
-    if not masked:
-        return [], None
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits[:len(masked), :, None] >> shifts) & 1).bool().view(len(masked), words * 32)[:, :vocab]
-    return masked, allowed.to(device)
+    return masked, (bits[:len(masked)] if masked else None)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> None:
+    """Give the tokens each row's bitmask clears no probability (-inf), in place: the compiled
+    ``mask_rows`` on a CPU (it skips the words whose tokens are all allowed), else torch's
+    operators (an accelerator, or no compiled kernels)."""
+    from multispec import kernels
+
+    index = torch.tensor(rows, dtype=torch.long)
+    op = kernels.mask_rows() if logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+        logits.is_contiguous() else None
+    if op is not None:
+        op(logits, index, bits.contiguous())
+        return
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+    index = index.to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

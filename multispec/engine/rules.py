@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from multispec.engine.grammar import advance, masks
+from multispec.engine.grammar import advance, apply_masks, masks
 from multispec.engine.penalties import penalize_, penalizes
 
 
@@ -105,11 +105,9 @@ def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
         return scored
 
     if rows.grammars:
-        masked, allowed = masks(rows.grammars, vocab, device)
+        masked, bits = masks(rows.grammars, vocab)
         if masked:
-            index = torch.tensor(masked, device=device)
-            out = writable()
-            out[index] = out[index].masked_fill(~allowed, float("-inf"))
+            apply_masks(writable(), masked, bits)
     members: dict[int, tuple] = {}  # the rows of each request
     for row, request in enumerate(rows.requests):
         members.setdefault(id(request), (request, []))[1].append(row)

@@ -131,6 +131,12 @@ def top_rows():
     return _op("top_rows")
 
 
+def mask_rows():
+    """``torch.ops.multispec.mask_rows`` (a grammar's bitmask on some rows of the logits, in place,
+    see ``sampling.cpp``), or None as above."""
+    return _op("mask_rows")
+
+
 def stream_available() -> bool:
     """Whether bf16 products can stream their weights through ``stream_linear`` here (see
     ``stream_kind``)."""

@@ -528,6 +528,43 @@ std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& probs, const at::T
   return {values, tokens};
 }
 
+// Tokens a grammar forbids get no probability: for row i of `bits` (one bit per token, 32 to an int32
+// word, token w * 32 + b at bit b of word w, a set bit allowed), every token of logits row rows[i]
+// whose bit is clear becomes -inf, in place. Words with every bit set (most of them inside a string
+// of a JSON schema) are skipped whole.
+void mask_rows(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.scalar_type() == at::kFloat,
+              "logits must be a contiguous float32 CPU [rows, vocabulary]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "rows must be a contiguous int64 vector");
+  const int64_t vocab = logits.size(1), n = rows.size(0), words = (vocab + 31) / 32;
+  TORCH_CHECK(bits.scalar_type() == at::kInt && bits.dim() == 2 && bits.is_contiguous() && bits.size(0) == n &&
+                  bits.size(1) == words,
+              "bits must be a contiguous int32 [rows, ceil(vocabulary / 32)]");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < logits.size(0), "row ", rp[r], " is outside the logits' ", logits.size(0),
+                " rows");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  const float off = -std::numeric_limits<float>::infinity();
+  multispec_kernels::balanced_for(n, [&](int64_t part, multispec_kernels::Shares& shares) {
+    for (int64_t r; (r = shares.next(part)) >= 0;) {
+      float* row = lp + rp[r] * vocab;
+      const uint32_t* mask = bp + r * words;
+      for (int64_t w = 0; w < words; ++w) {
+        const uint32_t word = mask[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+        float* x = row + w * 32;
+        for (int64_t b = 0; b < end; ++b)
+          if (!((word >> b) & 1u)) x[b] = off;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(multispec, m) {
@@ -538,6 +575,7 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("softmax_draw(Tensor logits, Tensor temperature, Tensor u, int k=0) -> (Tensor index, Tensor lse, "
         "Tensor top, Tensor prob, Tensor empty, Tensor values, Tensor tokens)");
   m.def("top_rows(Tensor probs, Tensor rows, int k) -> (Tensor values, Tensor tokens)");
+  m.def("mask_rows(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
@@ -546,4 +584,5 @@ TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("sample_rows", &sample_rows);
   m.impl("softmax_draw", &softmax_draw);
   m.impl("top_rows", &top_rows);
+  m.impl("mask_rows", &mask_rows);
 }

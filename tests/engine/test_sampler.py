@@ -199,6 +199,35 @@ def test_compiled_top_rows_ranks_like_torch_with_ties_to_the_lower_index():
         op(tied, torch.tensor([0]), 301)
 
 
+def test_grammar_bitmasks_clear_exactly_their_tokens_on_either_path(monkeypatch):
+    """A grammar's bitmask on some rows of the logits: token w * 32 + b at bit b of word w, a
+    clear bit -inf, the other rows untouched. The compiled ``mask_rows`` (where it runs) and
+    torch's operators against the bits read one by one, on a vocabulary that ends inside a word,
+    with all-ones words (skipped whole by the kernel), all-zero ones and rows taken in any order."""
+    from multispec.engine.grammar import apply_masks
+
+    vocab = 1000  # 31 full words and 8 tokens of a 32nd
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=gen)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=gen)
+    bits[0, :10] = -1
+    bits[1, 20:] = 0
+    rows_ = [4, 0, 2]
+    want = logits.clone()
+    for i, row in enumerate(rows_):
+        for token in range(vocab):
+            if not (int(bits[i, token // 32]) >> (token % 32)) & 1:
+                want[row, token] = float("-inf")
+    compiled = kernels.mask_rows
+    paths = [("compiled", compiled)] if COMPILED_SOFTMAX else []
+    for name, op in paths + [("torch", lambda: None)]:
+        monkeypatch.setattr(kernels, "mask_rows", op)
+        got = logits.clone()
+        apply_masks(got, rows_, bits)
+        assert torch.equal(got, want), name
+    assert torch.isinf(want[2]).sum() > vocab // 2 and not torch.isinf(want[[1, 3, 5]]).any()
+
+
 def test_most_likely_gives_each_row_its_alternatives_on_either_path(monkeypatch):
     """``most_likely`` (what a drafter reads at each appended token) on the compiled ranking and on
     torch's: the same tokens and values; a row whose sampled token leaves less than the floor to
