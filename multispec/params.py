@@ -90,10 +90,12 @@ def _logit_bias(bias) -> dict[int, float] | None:
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the text, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a
-    JSON schema, as a dict or its JSON text), ``regex`` (the whole text matches it), ``choice``
-    (the text is one of these strings), ``grammar`` (a Lark grammar, or llama.cpp's GBNF) or
-    ``json_object`` (any JSON object). ``disable_any_whitespace`` keeps a JSON schema's or object's
-    text free of whitespace between its tokens (by default any amount is allowed, as in vLLM).
+    JSON schema, as a dict or its JSON text, or a pydantic model class), ``regex`` (the whole text
+    matches it), ``choice`` (the text is one of these strings), ``grammar`` (a Lark grammar, or
+    llama.cpp's GBNF) or ``json_object`` (any JSON object). ``disable_any_whitespace`` keeps a JSON
+    schema's or object's text free of whitespace between its tokens (by default any amount is
+    allowed, as in vLLM). The grammar is compiled here (a syntax error is a ValueError naming the
+    field before any model loads) and again against the model's vocabulary when a request is made.
 
     Each row of a step gets the grammar's mask for the text before it (the sample's output, then a
     draft node's path), so the samples follow the constrained law exactly with or without
@@ -107,6 +109,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model class
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if self.json_object is not None:
             check_bool("structured_outputs.json_object", self.json_object)
@@ -116,7 +120,8 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar or json_object"
                              + (f" (not {' and '.join(given)})" if given else ""))
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise _bad("structured_outputs.json", self.json, "must be a JSON schema (a dict or its JSON text)")
+            raise _bad("structured_outputs.json", self.json,
+                       "must be a JSON schema (a dict or its JSON text, or a pydantic model class)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

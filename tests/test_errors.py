@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import pydantic
 import pytest
 
 from multispec import LLM, SamplingParams, SpecConfig, StructuredOutputsParams
@@ -80,6 +81,11 @@ def test_structured_outputs_refuse_min_tokens_and_other_types():
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
     with pytest.raises(ValueError, match=re.escape("structured_outputs='a+'")):
         SamplingParams(structured_outputs="a+")
+
+    class Reply(pydantic.BaseModel):
+        answer: int
+
+    assert StructuredOutputsParams(json=Reply).json == Reply.model_json_schema()
     assert SamplingParams(structured_outputs={"choice": ("a", "b")}).structured_outputs == StructuredOutputsParams(
         choice=["a", "b"])
 

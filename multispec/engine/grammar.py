@@ -6,9 +6,10 @@ tokens are accepted. A row of a step gets the mask the grammar gives after the t
 sample's output for its root, and for a draft node the output and the node's path (the matcher
 advanced along the path, then rolled back). So every row has the law plain decoding under the
 grammar gives its position, and a drafted token the grammar forbids has no probability and is
-rejected. A row whose path leaves the grammar is never reached (its parent's token is rejected) and is left
-unmasked. Where a grammar's text is complete it allows only the end of sequence; the rows after an
-end of sequence (with ``ignore_eos``, a sample goes on) are left unmasked, as vLLM leaves them.
+rejected. A row whose path leaves the grammar is never reached (its parent's token is rejected)
+and is left unmasked. Where a grammar's text is complete it allows only the end of sequence; the
+rows after an end of sequence (with ``ignore_eos``, a sample goes on) are left unmasked, as vLLM
+leaves them.
 """
 
 from __future__ import annotations

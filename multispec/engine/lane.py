@@ -37,7 +37,8 @@ def lane_key(spec: SpecConfig, request_params) -> tuple:
             spec.num_candidates, spec.decision_threshold, round(sp.temperature, 2), sp.top_k, round(sp.top_p, 2),
             round(sp.min_p, 2), round(sp.repetition_penalty, 2), round(sp.frequency_penalty, 2),
             round(sp.presence_penalty, 2), frozenset((sp.logit_bias or {}).items()),
-            None if sp.allowed_token_ids is None else frozenset(sp.allowed_token_ids), tuple(sp.bad_words or ()))
+            None if sp.allowed_token_ids is None else frozenset(sp.allowed_token_ids), tuple(sp.bad_words or ()),
+            None if sp.structured_outputs is None else sp.structured_outputs.kind)
 
 
 class Lane:
