@@ -181,12 +181,18 @@ class LLM:
         return self.engine.sequence_logits(list(token_ids))
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, spec=None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate.
 
-        A conversation is a list of ``{"role": ..., "content": ...}`` dicts."""
+        A conversation is a list of ``{"role": ..., "content": ...}`` dicts. As in vLLM:
+        ``chat_template`` replaces the checkpoint's template, ``add_generation_prompt`` opens the
+        assistant's turn, ``continue_final_message`` (with ``add_generation_prompt=False``) lets
+        the model go on writing the last message, and ``chat_template_kwargs`` are more variables
+        for the template (``{"enable_thinking": False}`` where a template reads it)."""
         conversations = _conversations(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        prompts = [self.tokenizer.apply_chat_template(c, **options) for c in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(token_ids, sampling_params, spec, use_tqdm)
         for output, prompt in zip(outputs, prompts):
@@ -250,6 +256,24 @@ def _is_token(value) -> bool:
 def _check_spec(spec) -> None:
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec={spec!r}: must be a SpecConfig (for example SpecConfig(drafter='consensus')) or None")
+
+
+def chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs) -> dict:
+    """The chat call's template options, checked, as ``Tokenizer.apply_chat_template`` takes them."""
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise ValueError(f"chat_template={chat_template!r:.80}: must be a non-empty Jinja template or None")
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: must be True or False")
+    if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, Mapping) or not all(
+            isinstance(key, str) for key in chat_template_kwargs)):
+        raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r:.80}: must be a dict with string keys or None")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True needs add_generation_prompt=False: the first continues the "
+                         "last message, the second starts a new one")
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+            "chat_template": chat_template, "template_kwargs": dict(chat_template_kwargs or {})}
 
 
 def _conversations(messages) -> list[list[dict]]:

@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import AsyncIterator, Sequence
 
-from multispec.api import LLM, _conversations
+from multispec.api import LLM, _conversations, chat_options
 from multispec.params import RequestOutput, RequestOutputKind, SamplingParams, SpecConfig
 
 
@@ -66,10 +66,14 @@ class AsyncLLM:
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, spec: SpecConfig | None = None,
-                   output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
-        """``generate`` for one conversation, rendered with the checkpoint's chat template."""
+                   output_kind: RequestOutputKind = RequestOutputKind.DELTA, *, chat_template: str | None = None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   chat_template_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """``generate`` for one conversation, rendered with the checkpoint's chat template (the
+        template options as ``LLM.chat`` takes them)."""
         (conversation,) = _conversations(messages)
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        text = self.tokenizer.apply_chat_template(conversation, **options)
         async for out in self._stream(text, self.tokenizer.encode(text, add_special_tokens=False), sampling_params,
                                       request_id, spec, output_kind):
             yield out

@@ -106,6 +106,23 @@ def _structured(args) -> dict | None:
     return rule or None
 
 
+def _chat_options(args) -> dict:
+    """``LLM.chat``'s template options from ``--chat-template`` and ``--chat-template-kwargs``."""
+    if not args.chat and (args.chat_template is not None or args.chat_template_kwargs is not None):
+        raise ValueError("--chat-template and --chat-template-kwargs apply with --chat")
+    options = {}
+    if args.chat_template is not None:
+        options["chat_template"] = _text_or_file("--chat-template", args.chat_template)
+    if args.chat_template_kwargs is not None:
+        try:
+            options["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--chat-template-kwargs: not valid JSON ({error})") from None
+        if not isinstance(options["chat_template_kwargs"], dict):
+            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs}: must be a JSON object")
+    return options
+
+
 def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
     parser.add_argument("--drafter", default=drafter, choices=list(DRAFTERS), help="(default: %(default)s)")
     parser.add_argument("--max-draft-tokens", type=int, default=SpecConfig.max_draft_tokens)
@@ -167,9 +184,10 @@ def cmd_generate(args) -> int:
         raise ValueError("give --prompt TEXT or --prompts-file FILE")
     params, spec = replace(_sampling(args), structured_outputs=_structured(args)), _spec(args)
     spec.check_temperature(params.temperature)
+    options = _chat_options(args)
     llm = _llm(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, spec)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, spec, **options)
     else:
         outputs = llm.generate(prompts, params, spec)
     if args.json:
@@ -264,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="one prompt")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="--chat: this Jinja template instead of the model's")
+    gen.add_argument("--chat-template-kwargs", metavar="JSON",
+                     help='--chat: more variables for the template, e.g. \'{"enable_thinking": false}\'')
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_structured_args(gen)
     gen.set_defaults(func=cmd_generate)

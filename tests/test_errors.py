@@ -278,6 +278,44 @@ def test_chat_refuses_bad_messages(tiny, messages, needle):
         tiny.chat(messages, SamplingParams())
 
 
+CHAT_OPTIONS_BAD = [
+    ({"chat_template": ""}, "chat_template=''"), ({"chat_template": 5}, "chat_template=5"),
+    ({"chat_template": "{% if %}"}, "chat template does not parse"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt='yes'"),
+    ({"continue_final_message": 1}, "continue_final_message=1"),
+    ({"continue_final_message": True}, "continue_final_message=True needs add_generation_prompt=False"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs=[1]"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs: 'messages' is set by the chat call itself"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "chat_template": "{{ 'fixed' }}"},
+     "continue_final_message: the last message's content does not appear in the rendered chat"),
+]
+
+
+@pytest.mark.parametrize("options,needle", CHAT_OPTIONS_BAD)
+def test_chat_refuses_bad_template_options(tiny, options, needle):
+    before = tiny.last_stats
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        tiny.chat([{"role": "user", "content": "hi"}], SamplingParams(), **options)
+    assert tiny.last_stats is before
+
+
+def test_chat_template_options_shape_the_prompt(tiny):
+    """The prompt a chat call runs on is the template's rendering with the options (the same
+    samples as that text given as a prompt): another template with a variable, and the last
+    message continued."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ tail }}"
+    params = SamplingParams(n=2, max_tokens=4, seed=1, ignore_eos=True)
+    out = tiny.chat([{"role": "user", "content": "The quick"}], params, chat_template=template,
+                    add_generation_prompt=False, chat_template_kwargs={"tail": "brown"}, use_tqdm=False)[0]
+    assert out.prompt == "[user] The quick\nbrown"
+    ids = tiny.tokenizer.encode(out.prompt, add_special_tokens=False)
+    assert [c.token_ids for c in out.outputs] == [
+        c.token_ids for c in tiny.generate([ids], params, use_tqdm=False)[0].outputs]
+    continued = tiny.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The lazy"}], params,
+                          add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert continued.prompt.endswith("The lazy")
+
+
 CLI_BAD = [
     (["generate", "--prompt", "hi", "--n", "0"], "n=0"),
     (["generate", "--prompt", "hi", "--n", "abc"], "argument --n: invalid int value: 'abc'"),
@@ -305,6 +343,9 @@ CLI_BAD = [
     (["generate", "--prompt", "hi", "--json-schema", "{type"], "--json-schema: neither a file nor JSON text"),
     (["generate", "--prompt", "hi", "--choice", ""], "structured_outputs.choice=['']"),
     (["generate", "--prompt", "hi", "--json-object", "--min-tokens", "2"], "min_tokens=2: cannot be combined"),
+    (["generate", "--prompt", "hi", "--chat-template", "x"], "--chat-template and --chat-template-kwargs apply with --chat"),
+    (["generate", "--prompt", "hi", "--chat", "--chat-template-kwargs", "{bad"], "--chat-template-kwargs: not valid JSON"),
+    (["generate", "--prompt", "hi", "--chat", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["generate", "--prompts-file", "/tmp/definitely/nope.txt"], "nope.txt"),
     (["gsm8k", "--offset", "100000"], "offset=100000"),
     (["gsm8k", "--questions", "0"], "--questions=0"),

@@ -15,6 +15,7 @@ transformers takes seconds to import, while a ``tokenizer.json`` loads with the
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import cached_property
@@ -123,42 +124,78 @@ class Tokenizer:
         backend = self._backend
         return lambda token: stream.step(backend, token) or ""
 
-    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the checkpoint's own template.
+    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            template_kwargs: dict | None = None) -> str:
+        """Render a conversation with the checkpoint's own template (or ``chat_template``).
 
         A plain string is one user message. Keys whose value is ``None`` are dropped, as
-        transformers does, because templates test for presence rather than for None.
+        transformers does, because templates test for presence rather than for None. As in
+        transformers and vLLM: ``continue_final_message`` ends the text inside the last message
+        (the model goes on writing it, for example a prefilled assistant answer) instead of
+        after it; ``template_kwargs`` are more variables for the template (for example
+        ``{"enable_thinking": False}`` where a template reads it).
         """
-        if self.chat_template is None:
-            raise ValueError("this checkpoint has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new one")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not messages or not all(isinstance(message, dict) for message in messages):
             raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} dicts")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & {"messages", "tools", "documents", "add_generation_prompt",
+                                        *self.special_tokens})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} is set by the chat call itself")
+        template = self._template if chat_template is None else _compile_template(chat_template)
+        if template is None:
+            raise ValueError("this checkpoint has no chat template: give one (chat_template)")
         messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
-            return self._template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            text = template.render(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content"))
+        return text
 
     @cached_property
-    def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"chat template does not parse: {exc}") from None
+    def _template(self) -> jinja2.Template | None:
+        return None if self.chat_template is None else _compile_template(self.chat_template)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """A chat template compiled as transformers compiles them (a sandbox, its filters and globals)."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"chat_template={source!r:.80}: must be a non-empty Jinja template")
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template does not parse: {exc}") from None
+
+
+def _cut_after_final_message(text: str, final) -> str:
+    """The rendered text up to the end of the last message's content (transformers' rule for
+    ``continue_final_message``: the content's last occurrence, its trailing whitespace kept only
+    where the template kept it)."""
+    if isinstance(final, list):  # content parts: the last text part is what goes on
+        final = next((part.get("text") for part in reversed(final) if isinstance(part, dict) and "text" in part), None)
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
+                         "chat (an empty last message cannot be continued)")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final:
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -43,6 +43,8 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     max_queued_requests: int = 256
     max_request_bytes: int = 8 << 20
+    chat_template: str | None = None
+    """``--chat-template``: used where a chat request gives none (None: the checkpoint's)."""
 
 
 class EventStream(StreamingResponse):
@@ -127,7 +129,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        inputs = chat_inputs(body, engine, default_spec, config.limits)
+        inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids))
         return await answer(body, inputs, fmt, request)
 

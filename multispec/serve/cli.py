@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec
+from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec, _text_or_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting to start beyond which new ones get 503 (default: %(default)s)")
     parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
                         help="largest request body; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                        help="a Jinja chat template for requests that give none (default: the checkpoint's)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -49,14 +51,18 @@ def run(args) -> int:
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ValueError(f"--max-tokens-limit={args.max_tokens_limit}: must be >= 1")
     spec = _spec(args)
+    chat_template = None if args.chat_template is None else _text_or_file("--chat-template", args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
               spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
+    if chat_template is not None:  # a template that does not parse or render is refused before serving
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
     if spec.speculates and spec.adaptive:  # the draft budget's prices, before the first client waits on them
         llm.engine.step_costs()
     config = ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key or None,
                           limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit),
-                          max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
+                          max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
+                          chat_template=chat_template)
     app = build_app(AsyncLLM(llm), config)
     print(f"multispec: serving {config.served_model_name!r} ({model} on {llm.device}, "
           f"{str(llm.dtype).removeprefix('torch.')}, drafter {spec.drafter}) at http://{args.host}:{args.port}/v1",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields, replace
 
+from multispec.api import chat_options
 from multispec.params import SamplingParams, SpecConfig, StructuredOutputsParams, check_truncation, prompt_tail
 from multispec.serve.errors import from_value_error, invalid
 from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
@@ -62,9 +63,10 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The conversation rendered with the checkpoint's chat template (text parts of a message are
-    joined by newlines, as vLLM does), as token ids."""
+def chat_prompt(request: ChatCompletionRequest, tokenizer, chat_template: str | None = None) -> list[int]:
+    """The conversation rendered with the request's chat template, else the server's
+    (``--chat-template``), else the checkpoint's (text parts of a message are joined by newlines,
+    as vLLM does), as token ids."""
     if not request.messages:
         raise invalid("messages", "messages is empty: give at least one message")
     conversation = []
@@ -74,9 +76,19 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
             content = "\n".join(part.text for part in content)
         conversation.append({"role": message.role, "content": content or "", "name": message.name})
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        options = chat_options(chat_template if request.chat_template is None else request.chat_template,
+                               True if request.add_generation_prompt is None else request.add_generation_prompt,
+                               bool(request.continue_final_message), request.chat_template_kwargs)
     except ValueError as error:
-        raise invalid("messages", str(error)) from None
+        field = next((name for name in ("chat_template_kwargs", "chat_template", "add_generation_prompt")
+                      if str(error).startswith(name)), "continue_final_message")
+        raise invalid(field, str(error)) from None
+    try:
+        text = tokenizer.apply_chat_template(conversation, **options)
+    except ValueError as error:
+        field = next((name for name in ("chat_template_kwargs", "continue_final_message")
+                      if str(error).startswith(name)), "chat_template" if request.chat_template else "messages")
+        raise invalid(field, str(error)) from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -100,13 +112,14 @@ def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConf
     return inputs
 
 
-def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig, limits: Limits) -> EngineInputs:
+def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig, limits: Limits,
+                chat_template: str | None = None) -> EngineInputs:
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
         if request.top_logprobs > MAX_LOGPROBS:
             raise invalid("top_logprobs", f"top_logprobs={request.top_logprobs}: at most {MAX_LOGPROBS}")
-    prompts = [chat_prompt(request, engine.tokenizer)]
+    prompts = [chat_prompt(request, engine.tokenizer, chat_template)]
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None

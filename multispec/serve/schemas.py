@@ -22,8 +22,6 @@ UNSUPPORTED: dict[str, tuple] = {
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": ([],), "prompt_logprobs": (),
-    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-    "chat_template_kwargs": ({},),
 }
 """Fields that would change the output and that the engine does not implement, with the values
 that ask for nothing (None always does; an empty tuple: only None)."""
@@ -111,6 +109,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: the chat template's options, as ``LLM.chat`` takes them."""
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None

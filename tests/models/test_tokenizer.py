@@ -108,6 +108,41 @@ def test_template_features_match(tmp_path):
     assert '{"é": [1, "<x>"]}' in want and "skipped" not in want
 
 
+PREFILLED = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is  "}]
+"""A conversation whose last (assistant) message the model should go on writing; its trailing
+spaces test transformers' rule for whitespace the template may or may not keep."""
+
+
+@pytest.mark.parametrize("template", ["checkpoint", "keeping"])
+def test_template_options_match_transformers(tmp_path, template):
+    """``continue_final_message``, another template and more template variables, as transformers
+    renders them (vLLM's ``LLM.chat`` options pass straight to it)."""
+    write_tiny_tokenizer(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_dir(tmp_path)
+    other = None
+    if template == "keeping":  # unlike the checkpoint's, a template that keeps the content's trailing spaces
+        other = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}{% if flag %}[{{ flag }}]{% endif %}")
+    for options in ({"continue_final_message": True, "add_generation_prompt": False},
+                    {"add_generation_prompt": True, "flag": "on"}):
+        hf_options = dict(options, **({"chat_template": other} if other else {}))
+        want = hf.apply_chat_template(PREFILLED, tokenize=False, **hf_options)
+        kwargs = {k: v for k, v in options.items() if k == "flag"}
+        got = ours.apply_chat_template(PREFILLED, options["add_generation_prompt"],
+                                       continue_final_message=options.get("continue_final_message", False),
+                                       chat_template=other, template_kwargs=kwargs)
+        assert got == want, options
+    cut = ours.apply_chat_template(PREFILLED, False, continue_final_message=True, chat_template=other)
+    assert cut.endswith("It is  " if other else "assistantIt is")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        ours.apply_chat_template(PREFILLED, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'messages' is set by the chat call itself"):
+        ours.apply_chat_template(PREFILLED, template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="chat template does not parse"):
+        ours.apply_chat_template(PREFILLED, chat_template="{% for %}")
+
+
 def test_template_exception_is_a_value_error(tmp_path):
     write_tiny_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="bad role tool"):

@@ -188,6 +188,23 @@ def test_logit_bias_and_allowed_token_ids_as_llm_generate(client, tiny):
             assert expected.token_ids[0] != want.token_ids[0]
 
 
+def test_chat_template_options_as_llm_chat(client, tiny):
+    """vLLM's chat options in the request body: another template with a variable, and the last
+    message continued; the seeded sample is ``LLM.chat``'s with the same options."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ tail }}"
+    continued = CHAT + [{"role": "assistant", "content": "jumps over"}]
+    for messages, options in ((CHAT, {"chat_template": template, "chat_template_kwargs": {"tail": "the"},
+                                      "add_generation_prompt": False}),
+                              (continued, {"continue_final_message": True, "add_generation_prompt": False})):
+        got = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=8, temperature=1.0,
+                                             seed=6, logprobs=True, extra_body={"ignore_eos": True, **options,
+                                                                                "return_tokens_as_token_ids": True})
+        want = tiny.chat(messages, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=6, ignore_eos=True),
+                         use_tqdm=False, **options)[0]
+        assert [token_ids(c) for c in got.choices] == [c.token_ids for c in want.outputs]
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
 class Animal(pydantic.BaseModel):
     animal: Literal["fox", "dog"]
     legs: int

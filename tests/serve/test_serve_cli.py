@@ -20,3 +20,12 @@ def test_conflicting_models_and_bad_limits_are_one_line_errors(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["multispec: error: the model is named twice: 'a' and --model 'b'",
                      "multispec: error: --max-n=0: must be >= 1"]
+
+
+def test_a_chat_template_that_does_not_render_is_refused_before_serving(successor_dir, capsys):
+    """``--chat-template`` (a file or the text) is rendered once on a one-message chat before the
+    server starts: a broken one is one line and exit 2, never a 400 on every chat request."""
+    assert main(["serve", str(successor_dir), "--device", "cpu", "--drafter", "none", "--chat-template",
+                 "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multispec: error: chat template does not parse")
