@@ -240,6 +240,41 @@ def test_one_bad_request_refuses_the_whole_call(tiny):
     assert tiny.last_stats is before
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_rules_that_leave_no_token_fail_their_request_alone(tiny, speculate, caplog):
+    """A grammar that wants token 6 second and allowed tokens without it leave that position no
+    token (no single rule can, and they are only known to clash there): the request fails with
+    an error naming the position, its samples end "abort" after the one token they could take, and
+    a request beside it gets the samples it gets alone; at the first position, the same."""
+    spec = SpecConfig(drafter="consensus", adaptive=False) if speculate else SpecConfig()
+    other = SamplingParams(n=3, max_tokens=6, seed=2, ignore_eos=True)
+    alone = tiny.generate([[8, 9]], other, spec, use_tqdm=False)[0]
+    for grammar, taken in (("start: <[5]> <[6]> <[7]>*", [5]), ("start: <[6]> <[7]>*", [])):
+        clash = SamplingParams(n=2, max_tokens=6, seed=0, ignore_eos=True, allowed_token_ids=[5, 7],
+                               structured_outputs={"grammar": grammar})
+        failed, beside = tiny.generate([[5, 6, 7], [8, 9]], [clash, other], spec, use_tqdm=False)
+        assert failed.error is not None and f"no token is allowed at output position {len(taken)}" in failed.error
+        assert [c.token_ids for c in failed.outputs] == [taken, taken]
+        assert {c.finish_reason for c in failed.outputs} == {"abort"}
+        assert beside.error is None and [c.token_ids for c in beside.outputs] == [c.token_ids for c in alone.outputs]
+    assert "no token is allowed" in caplog.text
+
+
+def test_a_drafted_row_that_leaves_no_token_fails_its_request(tiny):
+    """The row of an accepted draft node left no token: prompt lookup drafts 7 then 6 after 5 (the
+    prompt holds 5 7 6), the grammar takes 7 for certain and then wants only 6, which the allowed
+    tokens exclude, so the row after the accepted 7 is where the request fails (output position
+    2), as plain decoding fails there; a check of the roots alone would draw from that row."""
+    clash = SamplingParams(n=2, max_tokens=6, seed=0, ignore_eos=True, allowed_token_ids=[5, 7],
+                           structured_outputs={"grammar": "start: <[5]> <[7]> <[6]> <[7]>*"})
+    for spec in (SpecConfig(), SpecConfig(drafter="ngram", adaptive=False, max_draft_tokens=2)):
+        out = tiny.generate([[5, 7, 6, 9, 5, 7, 6]], clash, spec, use_tqdm=False)[0]
+        assert out.error is not None and "no token is allowed at output position 2" in out.error
+        assert {c.finish_reason for c in out.outputs} == {"abort"}
+        if spec.speculates:
+            assert tiny.last_stats.accepted_tokens > 0
+
+
 def test_max_tokens_past_the_context_window_is_clipped_as_vllm_does(tiny):
     """vLLM's offline LLM stops such samples at the context window with finish_reason "length"."""
     prompt = [5] * 250

@@ -35,7 +35,7 @@ from multispec.engine.rules import prompt_rows, ruled, ruled_now
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
 from multispec.engine.step import (Step, Verified, appended, commit, most_likely, pack, position_keys, sampling_rows,
-                                   verify)
+                                   stuck, verify)
 from multispec.engine.sampler import target_probs
 from multispec.models.draft_head import DraftHead
 from multispec.models.draft_lm import DraftLM, check_window, is_checkpoint, load_draft_lm
@@ -86,6 +86,12 @@ class StepReport:
     time_forward: float
     time_verify: float
     time_commit: float
+
+
+def nothing_allowed(position: int) -> str:
+    """Why a request fails where its rules leave a row no token."""
+    return (f"no token is allowed at output position {position}: the request's rules (structured_outputs, "
+            f"allowed_token_ids, bad_words, min_tokens) exclude every one there")
 
 
 class LLMEngine:
@@ -380,7 +386,9 @@ class LLMEngine:
                 request.prompt_logprobs = self._prompt_logprobs(every[start:start + request.prompt_len - 1],
                                                                 request.prompt_ids, request.params.prompt_logprobs)
             start += request.prompt_len
-        scored = ruled(logits, prompt_rows(requests)) if any(ruled_now(r, 0) for r in requests) else logits
+        ruled_rows = prompt_rows(requests) if any(ruled_now(r, 0) for r in requests) else None
+        scored = logits if ruled_rows is None else ruled(logits, ruled_rows)
+        dead = set() if ruled_rows is None else set(ruled_rows.dead)
         probs = target_probs(scored, *sampling_rows(requests, self.device))
         logprobs = torch.log_softmax(logits, -1)
         now = time.monotonic()
@@ -398,6 +406,8 @@ class LLMEngine:
             self.scheduler.place(request.samples)
             changed[request.request_id] = request
             try:
+                if row in dead:
+                    raise ValueError(nothing_allowed(0))
                 lane = self._lane(request)
                 first = sample_rows(probs[row:row + 1], position_keys(request.samples).at(torch.arange(n), 0))
                 tokens = first.tolist()
@@ -460,6 +470,9 @@ class LLMEngine:
         asking = [lane.drafter for lane in lanes if lane.wants_alternatives()]
         wanted = (max(d.alternatives for d in asking), min(d.min_alternative for d in asking)) if asking else (0, 0.0)
         results = verify(step, logits, wanted)
+        for b, position in stuck(step, results):
+            if slots[b].request.error is None:  # its samples keep the tokens they had before this step
+                self._fail(slots[b].request, ValueError(nothing_allowed(position)), changed)
         t3 = time.perf_counter()
         kept = commit(step, logits, results, self.cache)
         self._observe(step, results, kept, changed)

@@ -66,7 +66,9 @@ class Sample:
         the token that completes it, its text cut where the string starts (as vLLM does).
 
         ``logprob_rows`` (log-softmax rows at the tokens' positions) is needed only when the
-        request asks for top log-probabilities."""
+        request asks for top log-probabilities. A finished sample takes nothing."""
+        if self.finished:  # failed or aborted during the step that drew these tokens
+            return 0
         request = self.request
         sp = request.params
         take = tokens[: self.remaining]

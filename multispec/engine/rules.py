@@ -39,16 +39,31 @@ class Rows:
     """``(row, matcher, path)`` for each row the grammar of ``structured_outputs`` rules: the
     matcher at the sample's output (a prefill's: the request's fresh one) and the draft path after
     it (none after an end of sequence: see ``multispec.engine.grammar``)."""
+    dead: list[int] = None
+    """Filled by ``ruled``: the rows its rules left no token (see ``may_leave_nothing``)."""
 
     def __post_init__(self):
         if self.grammars is None:
             self.grammars = []
+        if self.dead is None:
+            self.dead = []
 
 
 def rules_every_row(params) -> bool:
     """Whether a request's rules touch every row of it (all but ``min_tokens``, which ends)."""
     return (params.allowed_token_ids is not None or bool(params.logit_bias) or bool(params.bad_words)
             or penalizes(params) or params.structured_outputs is not None)
+
+
+def may_leave_nothing(request) -> bool:
+    """Whether the rules of ``request`` can leave a row no token: two or more of the rules that take
+    tokens away (the grammar, allowed tokens, bad words, the stops held before ``min_tokens``)
+    together. One alone never does (a grammar always allows a token or the end, allowed tokens
+    are a non-empty list, the others take a few tokens), and the pairing that always would,
+    allowed tokens that are all stops under ``min_tokens``, is refused when the request is made."""
+    params = request.params
+    return sum((request.grammar is not None, params.allowed_token_ids is not None, bool(request.bad_words_ids),
+                params.min_tokens > 0)) >= 2
 
 
 def holds_stops(request, generated: int) -> bool:
@@ -138,6 +153,15 @@ def ruled(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
             writable()[index[:, None], tokens] += torch.tensor(list(params.logit_bias.values()), device=device)
     if any(penalizes(r.params) for r, _ in members.values()):
         penalize_(writable(), rows.requests, rows.prompts, rows.generated)
+    exposed = [row for request, own in members.values() if may_leave_nothing(request) for row in own]
+    if exposed and scored is not None:
+        index = torch.tensor(exposed, device=device)
+        dead = index[scored[index].amax(-1) == float("-inf")]
+        if len(dead):
+            # Nothing may be drawn there; the rows get finite logits so that no NaN reaches the
+            # draws, and whoever reaches such a row fails (``rows.dead``).
+            scored[dead] = 0.0
+            rows.dead = dead.tolist()
     return logits if scored is None else scored
 
 

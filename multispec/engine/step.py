@@ -7,7 +7,7 @@ draft nodes, and each sample's cache advances by its own accepted length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class Step:
     logsumexp: torch.Tensor | None = None
     """[rows] logsumexp of each row's raw logits, where verification's compiled softmax computed
     it (commit reads log-probabilities as logit - logsumexp); None: commit takes a log-softmax."""
+    dead_rows: list[int] = field(default_factory=list)
+    """Rows the requests' rules left no token (``multispec.engine.rules.Rows.dead``)."""
 
 
 @dataclass
@@ -125,6 +127,7 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
     # logits' (their log-normalisers from one more pass of the compiled softmax, where it runs).
     rows = step_rows(samples, trees) if any(ruled_now(s.request, len(s.output_ids)) for s in samples) else None
     scored = logits if rows is None else ruled(logits, rows)
+    step.dead_rows = [] if rows is None else rows.dead
     drawn = None
     if alternatives[0] <= 0 and not truncated and not any(tree.tokens for tree in trees):
         drawn = _draw_plain(step, scored, requests)
@@ -194,6 +197,23 @@ def verify(step: Step, logits: torch.Tensor, alternatives: tuple[int, float]) ->
         results.append(Verified(paths[b], bonus[b], token_probs[start:end], None if top is None else top[start:end]))
         start = end
     return results
+
+
+def stuck(step: Step, results: list[Verified]) -> list[tuple[int, int]]:
+    """The samples whose verification reached a row their rules left no token (its root, or the
+    row of a node it accepted), each with the output position that row was to give a token: plain
+    decoding could not go on there either, so their requests fail (``LLMEngine``) instead of taking
+    a token from nothing."""
+    if not step.dead_rows:
+        return []
+    dead = set(step.dead_rows)
+    out = []
+    for b, result in enumerate(results):
+        reached = [0, *(1 + j for j in result.path)]  # rows in path order: depth 0, 1, ...
+        depth = next((d for d, row in enumerate(reached) if step.row_offsets[b] + row in dead), None)
+        if depth is not None:
+            out.append((b, len(step.samples[b].output_ids) + depth))
+    return out
 
 
 def raw_logsumexp(logits: torch.Tensor) -> torch.Tensor | None:

@@ -14,19 +14,19 @@ from multispec.engine.rules import holds_stops, prompt_rows, ruled, ruled_now, s
 
 def request(prompt, stops=(), **params):
     return SimpleNamespace(params=SamplingParams(**params), prompt_ids=prompt, stop_ids=frozenset(stops),
-                           bad_words_ids=[])
+                           bad_words_ids=[], grammar=None)
 
 
 def test_rows_follow_their_own_path():
     """A root and three draft nodes (node 1 under node 0, node 2 beside node 0): each row's text
     is the sample's output, then its path; a request without penalties needs only the lengths."""
     req = request([1, 2], frequency_penalty=1.0)
-    sample = SimpleNamespace(request=req, output_ids=[5, 6])
+    sample = SimpleNamespace(request=req, output_ids=[5, 6], grammar=None)
     tree = SimpleNamespace(tokens=[7, 8, 9], parents=[-1, 0, -1])
     rows = step_rows([sample], [tree])
     assert rows.requests == [req] * 4 and rows.prompts == [[1, 2]] * 4
     assert rows.generated == [[5, 6], [5, 6, 7], [5, 6, 7, 8], [5, 6, 9]] and rows.lengths == [2, 3, 4, 3]
-    plain = SimpleNamespace(request=request([3]), output_ids=[4])
+    plain = SimpleNamespace(request=request([3]), output_ids=[4], grammar=None)
     rows = step_rows([plain], [tree])
     assert rows.generated == [()] * 4 and rows.prompts == [()] * 4 and rows.lengths == [1, 2, 3, 2]
     assert prompt_rows([req]).lengths == [0] and prompt_rows([req]).prompts == [[1, 2]]
@@ -55,13 +55,14 @@ def test_min_tokens_holds_the_stops_of_rows_before_it():
     assert holds_stops(held, 1) and ruled_now(held, 2) and not holds_stops(held, 3) and not ruled_now(free, 1)
     assert not holds_stops(request([0], min_tokens=3), 0)  # nothing to hold
     tree = SimpleNamespace(tokens=[7, 8, 9], parents=[-1, 0, -1])
-    rows = step_rows([SimpleNamespace(request=held, output_ids=[5]), SimpleNamespace(request=free, output_ids=[5])],
+    rows = step_rows([SimpleNamespace(request=held, output_ids=[5], grammar=None),
+                      SimpleNamespace(request=free, output_ids=[5], grammar=None)],
                      [tree, SimpleNamespace(tokens=[], parents=[])])
     logits = torch.zeros(5, vocab, dtype=torch.bfloat16)
     out = ruled(logits, rows)
     assert out.dtype == torch.float32 and not torch.isinf(logits.float()).any()  # a copy
     assert torch.isinf(out).nonzero().tolist() == [[0, 2], [0, 4], [1, 2], [1, 4], [3, 2], [3, 4]]
-    assert ruled(logits, step_rows([SimpleNamespace(request=free, output_ids=[5])], [tree])) is logits
+    assert ruled(logits, step_rows([SimpleNamespace(request=free, output_ids=[5], grammar=None)], [tree])) is logits
 
 
 def test_bad_words_follow_each_rows_path():
@@ -71,7 +72,7 @@ def test_bad_words_follow_each_rows_path():
     req = request([5], bad_words=["x"])
     req.bad_words_ids = [[5, 7], [3]]
     tree = SimpleNamespace(tokens=[6, 5, 1], parents=[-1, -1, 1])  # node 2 (token 1) under node 1 (token 5)
-    rows = step_rows([SimpleNamespace(request=req, output_ids=[2, 5])], [tree])
+    rows = step_rows([SimpleNamespace(request=req, output_ids=[2, 5], grammar=None)], [tree])
     out = ruled(torch.zeros(4, 8), rows)
     assert [torch.isinf(row).nonzero().flatten().tolist() for row in out] == [[3, 7], [3], [3, 7], [3]]
     first = ruled(torch.zeros(1, 8), prompt_rows([req]))
