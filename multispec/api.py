@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from numbers import Integral, Real
 from typing import Mapping, Sequence
 
@@ -18,7 +19,7 @@ from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
 from multispec.models import DEFAULT_MODEL, load_checkpoint, paired_draft_head, resolve_model
-from multispec.models.loading import weights_key
+from multispec.models.loading import generation_defaults, weights_key
 from multispec.models.llama import LlamaForCausalLM
 from multispec.params import (CompletionOutput, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
                               check_bool)
@@ -65,14 +66,18 @@ class LLM:
     weights: keys and values stored rounded to bfloat16, half the bytes (twice the tokens in
     ``kv_cache_memory``, less to read a step), attention still computed in float32; plain and
     speculative decoding see the same rounded cache, so the output law is unchanged between them
-    (``self.kv_cache_dtype``). ``engine`` is the ``LLMEngine`` every call steps. The first ``LLM`` of a
+    (``self.kv_cache_dtype``). ``generation_config``: where the default sampling settings come from,
+    as in vLLM: "auto" the checkpoint's ``generation_config.json`` (temperature, top-p, top-k,
+    min-p, repetition penalty, max_new_tokens; ``get_default_sampling_params``), "vllm"
+    ``SamplingParams``' own defaults, or another directory's file. ``engine`` is the ``LLMEngine``
+    every call steps. The first ``LLM`` of a
     process freezes the interpreter's heap out of the garbage collector's way (``gc.freeze``, see
     ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
-                 device: str = "auto", kv_cache_dtype: str = "auto"):
+                 device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto"):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
@@ -83,12 +88,19 @@ class LLM:
         _check_spec(spec)
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir={cache_dir!r}: must be a directory path or None")
+        if not isinstance(generation_config, (str, os.PathLike)) or (
+                generation_config not in ("auto", "vllm") and not Path(generation_config).expanduser().is_dir()):
+            raise ValueError(f"generation_config={generation_config!r}: must be 'auto' (the model's "
+                             f"generation_config.json), 'vllm' (SamplingParams' own defaults) or a directory")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         path = resolve_model(model)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
         self.model_name = model
+        self.generation_defaults = {} if generation_config == "vllm" else generation_defaults(
+            checkpoint.path if generation_config == "auto" else generation_config)
+        """The sampling defaults taken from a generation config (``get_default_sampling_params``)."""
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, self.dtype, self.device)
@@ -108,6 +120,12 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``: the model's
+        generation config (its temperature, top-p, top-k, min-p, repetition penalty and
+        max_new_tokens, as vLLM takes them) over ``SamplingParams``' own defaults."""
+        return SamplingParams(**self.generation_defaults)
+
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Mapping
                  | Sequence[Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -122,7 +140,7 @@ class LLM:
         """
         texts, token_ids = self._prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(token_ids)
         elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):

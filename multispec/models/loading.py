@@ -57,6 +57,34 @@ def load_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Ch
     raise ValueError(f"checkpoint not found: {path}")
 
 
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""The sampling defaults a checkpoint's ``generation_config.json`` may give, and the
+``SamplingParams`` field each sets: the ones vLLM takes from it."""
+
+
+def generation_defaults(directory: str | Path) -> dict:
+    """The sampling defaults in ``directory``'s ``generation_config.json`` (``{}`` where there is
+    none), as ``SamplingParams`` fields; a malformed file or value is a ValueError naming it."""
+    path = Path(directory).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"malformed JSON in {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    defaults = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
+    from multispec.params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return defaults
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MULTISPEC_CACHE") or Path.home() / ".cache" / "multispec")
 

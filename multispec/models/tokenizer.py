@@ -243,9 +243,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"malformed JSON in {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return data
 
 
 def _token_text(value: str | dict) -> str:

@@ -45,6 +45,9 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20
     chat_template: str | None = None
     """``--chat-template``: used where a chat request gives none (None: the checkpoint's)."""
+    sampling_defaults: dict = field(default_factory=dict)
+    """The model's generation config (``--generation-config``): fills the sampling fields a
+    request leaves out."""
 
 
 class EventStream(StreamingResponse):
@@ -121,7 +124,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        inputs = completion_inputs(body, engine, default_spec, config.limits)
+        inputs = completion_inputs(body, engine, default_spec, config.limits, config.sampling_defaults)
         fmt = CompletionFormat(engine.tokenizer, body.logprobs, bool(body.return_tokens_as_token_ids), inputs.echo,
                                inputs.generate)
         return await answer(body, inputs, fmt, request)
@@ -129,7 +132,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template)
+        inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
+                             config.sampling_defaults)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids))
         return await answer(body, inputs, fmt, request)
 

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting to start beyond which new ones get 503 (default: %(default)s)")
     parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
                         help="largest request body; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="where requests' default sampling settings come from: 'auto' (default) the model's "
+                             "generation_config.json, 'vllm' OpenAI's defaults, or a directory holding one")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                         help="a Jinja chat template for requests that give none (default: the checkpoint's)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -54,7 +57,11 @@ def run(args) -> int:
     chat_template = None if args.chat_template is None else _text_or_file("--chat-template", args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
+              spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+              generation_config=args.generation_config)
+    if llm.generation_defaults:  # as vLLM says it: a request's results may differ from OpenAI's defaults
+        print(f"multispec: default sampling settings from the model's generation config: {llm.generation_defaults} "
+              f"(--generation-config vllm to not use them)", file=sys.stderr)
     if chat_template is not None:  # a template that does not parse or render is refused before serving
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
     if spec.speculates and spec.adaptive:  # the draft budget's prices, before the first client waits on them
@@ -62,7 +69,7 @@ def run(args) -> int:
     config = ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key or None,
                           limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit),
                           max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-                          chat_template=chat_template)
+                          chat_template=chat_template, sampling_defaults=llm.generation_defaults)
     app = build_app(AsyncLLM(llm), config)
     print(f"multispec: serving {config.served_model_name!r} ({model} on {llm.device}, "
           f"{str(llm.dtype).removeprefix('torch.')}, drafter {spec.drafter}) at http://{args.host}:{args.port}/v1",

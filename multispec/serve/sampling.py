@@ -24,6 +24,9 @@ MAX_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16
 """OpenAI's and vLLM's default ``max_tokens`` for completions (chat defaults to the rest of the context)."""
 SPEC_FIELDS = frozenset(f.name for f in fields(SpecConfig))
+LAW_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+"""The sampling law's fields a model's generation config may give defaults for (OpenAI's defaults
+where it gives none)."""
 
 
 @dataclass
@@ -92,14 +95,15 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, chat_template: str | 
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConfig, limits: Limits) -> EngineInputs:
+def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConfig, limits: Limits,
+                      defaults: dict | None = None) -> EngineInputs:
     if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
         raise invalid("logprobs", f"logprobs={request.logprobs}: at most {MAX_LOGPROBS}")
     prompts = completion_prompts(request.prompt, engine.tokenizer)
     max_tokens = request.max_tokens if request.max_tokens is not None else COMPLETIONS_MAX_TOKENS
     generate = not (request.echo and max_tokens == 0)
     inputs = _inputs(request, prompts, engine, default_spec, limits, max_tokens if generate else 1, request.logprobs,
-                     {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"})
+                     {"max_tokens": "max_tokens", "logprobs": "logprobs", "prompt": "prompt"}, defaults)
     if request.echo:
         # A text prompt is echoed as given; token ids, or a prompt cut to its last tokens, as their text.
         texts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
@@ -113,7 +117,7 @@ def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConf
 
 
 def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig, limits: Limits,
-                chat_template: str | None = None) -> EngineInputs:
+                chat_template: str | None = None, defaults: dict | None = None) -> EngineInputs:
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
@@ -124,13 +128,17 @@ def chat_inputs(request: ChatCompletionRequest, engine, default_spec: SpecConfig
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _inputs(request, prompts, engine, default_spec, limits, max_tokens, logprobs,
-                   {"max_tokens": field, "logprobs": "top_logprobs", "prompt": "messages"})
+                   {"max_tokens": field, "logprobs": "top_logprobs", "prompt": "messages"}, defaults)
 
 
 def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, default_spec: SpecConfig, limits: Limits,
-            max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> EngineInputs:
+            max_tokens: int | None, logprobs: int | None, names: dict[str, str],
+            defaults: dict | None = None) -> EngineInputs:
     """Settings checked against the server's limits and the context window, then the engine's
-    own check on every prompt."""
+    own check on every prompt. ``defaults``: the model's generation config (``LLM.generation_defaults``),
+    which fills the sampling fields a request leaves out, and caps ``max_tokens`` where it is left
+    to the context window, as vLLM's server does."""
+    defaults = defaults or {}
     names = {**names, **{name: "speculation" for name in SPEC_FIELDS}}
     _check_extra_fields(request)
     if request.stream_options is not None and not request.stream:
@@ -146,7 +154,7 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     prompts = [prompt_tail(ids, keep, window) for ids in prompts]
     longest = max(len(ids) for ids in prompts)
     if max_tokens is None:
-        max_tokens = max(1, min(limits.max_tokens or window, window - longest))
+        max_tokens = max(1, min(limits.max_tokens or window, window - longest, defaults.get("max_tokens", window)))
     elif limits.max_tokens is not None and max_tokens > limits.max_tokens:
         raise invalid(names["max_tokens"], f"{names['max_tokens']}={max_tokens}: this server allows at most "
                                            f"{limits.max_tokens} tokens per sample")
@@ -155,18 +163,14 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
                                            f"and {names['max_tokens']}={max_tokens} asks for more than the rest")
     spec = speculation(default_spec, request.speculation)
     constraint, names["structured_outputs"] = structured_outputs(request)
+    law = {**LAW_DEFAULTS, **{name: value for name, value in defaults.items() if name in LAW_DEFAULTS}}
     try:
         params = SamplingParams(
-            structured_outputs=constraint,
-            n=n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed, stop=request.stop,
-            stop_token_ids=request.stop_token_ids, **_given(request, temperature=1.0, top_p=1.0, top_k=0,
-                                                            min_p=0.0, repetition_penalty=1.0,
-                                                            frequency_penalty=0.0, presence_penalty=0.0,
-                                                            ignore_eos=False, min_tokens=0, logit_bias=None,
-                                                            allowed_token_ids=None, bad_words=None,
-                                                            truncate_prompt_tokens=None,
-                                                            include_stop_str_in_output=False,
-                                                            skip_special_tokens=True))
+            structured_outputs=constraint, n=n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
+            stop=request.stop, stop_token_ids=request.stop_token_ids,
+            **_given(request, **law, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False, min_tokens=0,
+                     logit_bias=None, allowed_token_ids=None, bad_words=None, truncate_prompt_tokens=None,
+                     include_stop_str_in_output=False, skip_special_tokens=True))
         for i, ids in enumerate(prompts):
             name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
             engine.make_request(f"check-{i}", ids, params, spec, name=name)
