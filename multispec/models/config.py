@@ -8,7 +8,9 @@ into one plain, fully resolved description.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Values Hugging Face's config classes fall back to when config.json omits a key.
@@ -132,6 +134,20 @@ def _rope(d: dict, max_positions: int) -> tuple[float, dict | None]:
     if rope_type != "yarn" and params.get("factor") is None:
         raise ValueError(f"RoPE type {rope_type!r} needs a 'factor' in the config")
     return theta, {"rope_type": rope_type, **params}
+
+
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file as a dict ({} where it is absent); malformed JSON, or JSON that is
+    not an object, is a ValueError naming the file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed JSON in {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return data
 
 
 def token_id_list(value: int | list[int] | None) -> list[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig
+from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, read_json_object
 from multispec.models.tokenizer import Tokenizer
 
 _GGUF_MAGIC = b"GGUF"
@@ -67,14 +67,7 @@ def generation_defaults(directory: str | Path) -> dict:
     """The sampling defaults in ``directory``'s ``generation_config.json`` (``{}`` where there is
     none), as ``SamplingParams`` fields; a malformed file or value is a ValueError naming it."""
     path = Path(directory).expanduser() / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"malformed JSON in {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
+    config = read_json_object(path)
     defaults = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
     from multispec.params import SamplingParams
 

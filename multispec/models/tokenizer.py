@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
-from multispec.models.config import token_id_list
+from multispec.models.config import read_json_object, token_id_list
 
 # The named special tokens a chat template can refer to, as transformers exposes them.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -73,17 +73,17 @@ class Tokenizer:
         except Exception as exc:  # the library raises a bare Exception for malformed files
             raise ValueError(f"cannot read {tokenizer_file}: {exc}") from None
 
-        config = _read_json(path / "tokenizer_config.json")
+        config = read_json_object(path / "tokenizer_config.json")
         special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES if config.get(name)}
         if "added_tokens_decoder" not in config:
             # Older checkpoints keep the special tokens in a separate file.
-            legacy = _read_json(path / "special_tokens_map.json")
+            legacy = read_json_object(path / "special_tokens_map.json")
             special_tokens.update(
                 {name: _token_text(legacy[name]) for name in _SPECIAL_TOKEN_NAMES if legacy.get(name)}
             )
 
-        eos_ids = token_id_list(_read_json(path / "generation_config.json").get("eos_token_id"))
-        eos_ids += token_id_list(_read_json(path / "config.json").get("eos_token_id"))
+        eos_ids = token_id_list(read_json_object(path / "generation_config.json").get("eos_token_id"))
+        eos_ids += token_id_list(read_json_object(path / "config.json").get("eos_token_id"))
         return cls(backend, special_tokens, _chat_template(path, config), eos_ids)
 
     @property
@@ -237,18 +237,6 @@ def _chat_template(path: Path, config: dict) -> str | None:
         named = {entry["name"]: entry["template"] for entry in template}
         return named.get("default")
     return template
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"malformed JSON in {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
-    return data
 
 
 def _token_text(value: str | dict) -> str:
