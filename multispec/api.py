@@ -70,9 +70,8 @@ class LLM:
     as in vLLM: "auto" the checkpoint's ``generation_config.json`` (temperature, top-p, top-k,
     min-p, repetition penalty, max_new_tokens; ``get_default_sampling_params``), "vllm"
     ``SamplingParams``' own defaults, or another directory's file. ``engine`` is the ``LLMEngine``
-    every call steps. The first ``LLM`` of a
-    process freezes the interpreter's heap out of the garbage collector's way (``gc.freeze``, see
-    ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
+    every call steps. The first ``LLM`` of a process freezes the interpreter's heap out of the
+    garbage collector's way (``gc.freeze``, see ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,

@@ -14,7 +14,7 @@ rule forbids is simply rejected. Log-probabilities stay those of the raw logits,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -35,18 +35,12 @@ class Rows:
     penalties or bad words, else () (nothing reads them)."""
     lengths: list[int]
     """How many tokens come before the row (output and path), for ``min_tokens``."""
-    grammars: list = None
+    grammars: list = field(default_factory=list)
     """``(row, matcher, path)`` for each row the grammar of ``structured_outputs`` rules: the
     matcher at the sample's output (a prefill's: the request's fresh one) and the draft path after
     it (none after an end of sequence: see ``multispec.engine.grammar``)."""
-    dead: list[int] = None
+    dead: list[int] = field(default_factory=list)
     """Filled by ``ruled``: the rows its rules left no token (see ``may_leave_nothing``)."""
-
-    def __post_init__(self):
-        if self.grammars is None:
-            self.grammars = []
-        if self.dead is None:
-            self.dead = []
 
 
 def rules_every_row(params) -> bool:
