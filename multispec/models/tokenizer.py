@@ -102,6 +102,10 @@ class Tokenizer:
         """The whole pipeline as ``tokenizer.json`` text (what other libraries load it from)."""
         return self._backend.to_str()
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for a token id (byte-level pieces as stored), or None."""
+        return self._backend.id_to_token(token_id)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

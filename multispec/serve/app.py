@@ -22,13 +22,14 @@ from starlette.exceptions import HTTPException
 
 import multispec
 from multispec.async_llm import AsyncLLM
-from multispec.serve.errors import APIError, from_exception, from_validation_error
+from multispec.serve.errors import APIError, from_exception, from_validation_error, invalid
 from multispec.serve.formats import ChatFormat, CompletionFormat
 from multispec.serve.generation import Generation, Run, Traffic
 from multispec.serve.guard import Guard
 from multispec.serve.metrics import Metrics
-from multispec.serve.sampling import Limits, chat_inputs, completion_inputs
-from multispec.serve.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from multispec.serve.sampling import Limits, chat_inputs, chat_prompt, completion_inputs
+from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                     ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before the answer (nginx's convention)."""
@@ -136,6 +137,30 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                              config.sampling_defaults)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids))
         return await answer(body, inputs, fmt, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: a prompt's or a chat's token ids, as the completions and chat endpoints would
+        run them (the chat through the same template and options)."""
+        check_model(body.model)
+        tokenizer = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("prompt", "give exactly one of 'prompt' (text) and 'messages' (a chat)")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            ids = chat_prompt(body, tokenizer, config.chat_template, bool(body.add_special_tokens))
+        strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.config.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: the text of token ids (special tokens' text included, as vLLM decodes them)."""
+        check_model(body.model)
+        outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if outside:
+            raise invalid("tokens", f"token ids must lie in [0, {engine.vocab_size}), not {outside[:5]}")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -15,7 +15,7 @@ from multispec.api import chat_options
 from multispec.params import SamplingParams, SpecConfig, StructuredOutputsParams, check_truncation, prompt_tail
 from multispec.serve.errors import from_value_error, invalid
 from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                     unsupported)
+                                     TokenizeRequest, unsupported)
 
 log = logging.getLogger("multispec.serve")
 
@@ -66,7 +66,8 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer, chat_template: str | None = None) -> list[int]:
+def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, chat_template: str | None = None,
+                add_special_tokens: bool = False) -> list[int]:
     """The conversation rendered with the request's chat template, else the server's
     (``--chat-template``), else the checkpoint's (text parts of a message are joined by newlines,
     as vLLM does), as token ids."""
@@ -92,7 +93,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, chat_template: str | 
         field = next((name for name in ("chat_template_kwargs", "continue_final_message")
                       if str(error).startswith(name)), "chat_template" if request.chat_template else "messages")
         raise invalid(field, str(error)) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConfig, limits: Limits,

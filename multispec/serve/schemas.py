@@ -119,7 +119,44 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (text) or ``messages`` (a chat, with the chat template's
+    options), exactly one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for messages (the template writes its own)."""
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------------------- responses
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

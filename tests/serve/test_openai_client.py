@@ -268,3 +268,24 @@ def test_metrics_count_requests_tokens_and_speculation(server, client):
                  "multispec_requests_running", "multispec_samples_running", "multispec_prompt_tokens_total"):
         assert name in samples
     assert samples["multispec_engine_healthy"] == 1.0
+
+
+def test_tokenize_and_detokenize_as_vllm(server, tiny):
+    """vLLM's /tokenize (a prompt, or a chat through the template and its options) and /detokenize:
+    the ids the completions and chat endpoints run on, and their text back; bad bodies are 400s
+    naming the field."""
+    status, _, body = server.request("POST", "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    out = json.loads(body)
+    assert status == 200 and out["tokens"] == tiny.tokenizer.encode(PROMPT) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 256 and out["token_strs"] == [tiny.tokenizer.id_to_token(t) for t in out["tokens"]]
+    status, _, body = server.request("POST", "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    rendered = tiny.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert status == 200 and json.loads(body)["tokens"] == tiny.tokenizer.encode(rendered, add_special_tokens=False)
+    status, _, body = server.request("POST", "/detokenize", {"tokens": out["tokens"]})
+    text = tiny.tokenizer.decode(out["tokens"], skip_special_tokens=False)
+    assert status == 200 and json.loads(body)["prompt"] == text
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+                             ("/detokenize", {"tokens": [10**6]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                             ("/tokenize", {"messages": CHAT, "chat_template": "{% if %}"}, "chat_template")):
+        status, _, body = server.request("POST", path, bad)
+        assert status == 400 and json.loads(body)["error"]["param"] == param, (path, bad, body)
