@@ -446,6 +446,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """Where ``SamplingParams.prompt_logprobs`` asked: per prompt token, its log-probability given
     the tokens before it (and the top ones), None for the first."""
+    prompt_token_ranks: list[int | None] | None = None
+    """With ``prompt_logprobs``: each prompt token's rank among the vocabulary at its position (1:
+    the likeliest), None for the first (vLLM's ``Logprob.rank``)."""
 
 
 @dataclass

@@ -383,8 +383,8 @@ class LLMEngine:
         start = 0
         for request in requests:
             if request.params.prompt_logprobs is not None:
-                request.prompt_logprobs = self._prompt_logprobs(every[start:start + request.prompt_len - 1],
-                                                                request.prompt_ids, request.params.prompt_logprobs)
+                request.prompt_logprobs, request.prompt_ranks = self._prompt_logprobs(
+                    every[start:start + request.prompt_len - 1], request.prompt_ids, request.params.prompt_logprobs)
             start += request.prompt_len
         ruled_rows = prompt_rows(requests) if any(ruled_now(r, 0) for r in requests) else None
         scored = logits if ruled_rows is None else ruled(logits, ruled_rows)
@@ -437,15 +437,19 @@ class LLMEngine:
         self.stats.prompt_tokens += int(token_ids.numel())
         self.stats.time_prefill += time.perf_counter() - t0
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, ids: list[int], top: int) -> list:
+    def _prompt_logprobs(self, hidden: torch.Tensor, ids: list[int], top: int) -> tuple[list, list]:
         """Each prompt token's log-probability given the ones before it (raw logits, as vLLM
-        reports them), with the ``top`` likeliest; None for the first token. ``hidden``: the rows
-        of every prompt token but the last. The head runs on 256 rows at a time."""
+        reports them), with the ``top`` likeliest, and its rank in the vocabulary (1: the likeliest;
+        ties share the better rank); None for the first token. ``hidden``: the rows of every prompt
+        token but the last. The head runs on 256 rows at a time."""
         out: list = [None]
+        ranks: list = [None]
         for begin in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
             logprobs = torch.log_softmax(self.model.logits(hidden[begin:begin + PROMPT_LOGPROB_ROWS]), -1)
             following = ids[begin + 1:begin + 1 + len(logprobs)]
-            chosen = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])[:, 0].tolist()
+            chosen_rows = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])
+            ranks += ((logprobs > chosen_rows).sum(-1) + 1).tolist()
+            chosen = chosen_rows[:, 0].tolist()
             best = logprobs.topk(top, -1) if top else None
             for i, token in enumerate(following):
                 entry = {token: chosen[i]}
@@ -453,7 +457,7 @@ class LLMEngine:
                     entry.update(zip(best.indices[i].tolist(), best.values[i].tolist()))
                     entry[token] = chosen[i]
                 out.append(entry)
-        return out
+        return out, ranks
 
     def _decode(self, changed: dict[str, Request]) -> None:
         slots = self.scheduler.slots

@@ -152,6 +152,8 @@ class Request:
     """Samples aborted before the request was admitted: they start finished."""
     prompt_logprobs: list | None = None
     """The prompt tokens' log-probabilities, where the request asked (filled by the prefill)."""
+    prompt_ranks: list | None = None
+    """And each prompt token's rank in the vocabulary (``RequestOutput.prompt_token_ranks``)."""
     bad_words_ids: list[list[int]] = field(default_factory=list)
     """``bad_words`` as token ids (each word with and without a leading space, as vLLM has them)."""
     grammar: object = None
@@ -189,7 +191,7 @@ class Request:
         else:
             outputs = [_cumulative(s, tokenizer) for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs, self.finished, self.error,
-                             self.metrics, self.prompt_logprobs)
+                             self.metrics, self.prompt_logprobs, self.prompt_ranks)
 
 
 def _cumulative(sample: Sample, tokenizer) -> CompletionOutput:

@@ -127,7 +127,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_model(body.model)
         inputs = completion_inputs(body, engine, default_spec, config.limits, config.sampling_defaults)
         fmt = CompletionFormat(engine.tokenizer, body.logprobs, bool(body.return_tokens_as_token_ids), inputs.echo,
-                               inputs.generate)
+                               inputs.generate, body.prompt_logprobs)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/v1/chat/completions")
@@ -135,7 +135,8 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         check_model(body.model)
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
-        fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids))
+        fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
+                         body.prompt_logprobs)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from multispec.params import CompletionOutput, RequestOutput
 from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-                                     CompletionResponse, Delta, TokenLogprob, TopLogprob)
+                                     CompletionResponse, Delta, PromptLogprob, TokenLogprob, TopLogprob)
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Choice:
     stop_reason: int | str | None = None
     text_offset: int = 0
     echoed: bool = False
+    prompt_logprobs: list | None = None
 
     def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
         self.text.append(delta.text)
@@ -48,16 +49,17 @@ class CompletionFormat:
     id_prefix = "cmpl"
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False, echo: list[str] | None = None,
-                 generate: bool = True):
+                 generate: bool = True, prompt_logprobs: int | None = None):
         """``echo``: each prompt's text, put before its choices' text (with ``top_logprobs``, the
         prompt tokens' log-probabilities before theirs); ``generate`` False: the generated token
-        is left out (echo with max_tokens 0)."""
+        is left out (echo with max_tokens 0); ``prompt_logprobs``: vLLM's, that many top ones."""
         self.tokenizer = tokenizer
         self.text = _token_text(tokenizer)
         self.token_text = _token_id if token_ids else self.text
         self.top_logprobs = top_logprobs
         self.echo = echo
         self.generate = generate
+        self.prompt_logprobs = prompt_logprobs
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
         return []
@@ -68,6 +70,7 @@ class CompletionFormat:
         first delta starts with its prompt."""
         if not self.generate:
             delta = replace(delta, text="", token_ids=[], logprobs=None if delta.logprobs is None else [])
+        _keep_prompt_logprobs(self.prompt_logprobs, out, choice, self.token_text)
         if self.echo is None or choice.echoed:
             return delta, self.logprobs(delta, choice)
         choice.echoed = True
@@ -102,7 +105,8 @@ class CompletionFormat:
         for i, (token, entry) in enumerate(zip(tokens, entries)):
             block.tokens.append(self.token_text(token))
             block.token_logprobs.append(None if entry is None else entry[token])
-            block.top_logprobs.append(None if entry is None else {self.token_text(t): lp for t, lp in entry.items()})
+            block.top_logprobs.append(None if entry is None else {
+                self.token_text(t): lp for t, lp in _top(entry, token, self.top_logprobs)})
             block.text_offset.append(choice.text_offset)
             choice.text_offset += lengths[i] if lengths is not None else len(self.text(token))
         return block
@@ -120,19 +124,23 @@ class CompletionFormat:
                  **extra) -> CompletionResponse:
         return CompletionResponse(id=response_id, created=created, model=model, choices=[
             CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason,
-                             stop_reason=c.stop_reason) for i, c in enumerate(choices)], **extra)
+                             stop_reason=c.stop_reason, prompt_logprobs=c.prompt_logprobs)
+            for i, c in enumerate(choices)], **extra)
 
 
 class ChatFormat:
     endpoint = "/v1/chat/completions"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False):
+    def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
+                 prompt_logprobs: int | None = None):
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
+        self.prompt_logprobs = prompt_logprobs
 
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
+        _keep_prompt_logprobs(self.prompt_logprobs, out, choice, self.token_text)
         return delta, self.logprobs(delta, choice)
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
@@ -169,7 +177,33 @@ class ChatFormat:
         return ChatCompletionResponse(id=response_id, created=created, model=model, choices=[
             ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)), logprobs=c.logprobs,
                        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
-            **extra)
+            prompt_logprobs=choices[0].prompt_logprobs if choices else None, **extra)
+
+
+def _top(entry: dict[int, float], token: int, k: int | None) -> list[tuple[int, float]]:
+    """The entry's ``k`` likeliest tokens (all of them where k is None) and ``token``'s own."""
+    ranked = sorted(entry.items(), key=lambda item: -item[1])
+    kept = ranked if k is None else ranked[:k]
+    return kept + [(token, entry[token])] if token not in dict(kept) else kept
+
+
+def _keep_prompt_logprobs(asked: int | None, out: RequestOutput, choice: Choice, token_text) -> None:
+    """vLLM's ``prompt_logprobs`` of a choice's prompt, kept once: per prompt token (None for the
+    first) the token's entry with its rank in the vocabulary, and the ``asked`` likeliest, ranked
+    1 to ``asked``, keyed by token id."""
+    if asked is None or choice.prompt_logprobs is not None or out.prompt_logprobs is None:
+        return
+    block = []
+    for token, entry, rank in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks):
+        if entry is None:
+            block.append(None)
+            continue
+        ordered = sorted(entry.items(), key=lambda item: -item[1])[:asked]  # the engine's top ones and the token
+        kept = {t: PromptLogprob(logprob=lp, rank=i + 1, decoded_token=token_text(t))
+                for i, (t, lp) in enumerate(ordered)}
+        kept[token] = PromptLogprob(logprob=entry[token], rank=rank, decoded_token=token_text(token))
+        block.append({str(t): value for t, value in kept.items()})
+    choice.prompt_logprobs = block
 
 
 def _token_text(tokenizer):

@@ -113,7 +113,8 @@ def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConf
                        for text, ids in zip(texts, inputs.prompts)]
         inputs.generate = generate
         if request.logprobs is not None:
-            inputs.params = replace(inputs.params, prompt_logprobs=request.logprobs)
+            inputs.params = replace(inputs.params, prompt_logprobs=max(request.logprobs,
+                                                                       inputs.params.prompt_logprobs or 0))
     return inputs
 
 
@@ -142,6 +143,12 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     defaults = defaults or {}
     names = {**names, **{name: "speculation" for name in SPEC_FIELDS}}
     _check_extra_fields(request)
+    if request.prompt_logprobs is not None:
+        if request.stream:
+            raise invalid("prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)")
+        if not 0 <= request.prompt_logprobs <= MAX_LOGPROBS:
+            raise invalid("prompt_logprobs", f"prompt_logprobs={request.prompt_logprobs}: must be in [0, "
+                                             f"{MAX_LOGPROBS}] (the whole vocabulary, -1, is not offered)")
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
     n = request.n if request.n is not None else 1
@@ -168,7 +175,7 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
     try:
         params = SamplingParams(
             structured_outputs=constraint, n=n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
-            stop=request.stop, stop_token_ids=request.stop_token_ids,
+            stop=request.stop, stop_token_ids=request.stop_token_ids, prompt_logprobs=request.prompt_logprobs,
             **_given(request, **law, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False, min_tokens=0,
                      logit_bias=None, allowed_token_ids=None, bad_words=None, truncate_prompt_tokens=None,
                      include_stop_str_in_output=False, skip_special_tokens=True))

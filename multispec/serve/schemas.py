@@ -21,7 +21,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
-    "logits_processors": ([],), "prompt_logprobs": (),
+    "logits_processors": ([],),
 }
 """Fields that would change the output and that the engine does not implement, with the values
 that ask for nothing (None always does; an empty tuple: only None)."""
@@ -68,6 +68,8 @@ class GenerationRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's log-probability, with that many top ones (not with streaming)."""
     response_format: dict[str, Any] | None = None
     """OpenAI's: ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type":
     "json_object"}`` or ``{"type": "text"}``."""
@@ -182,12 +184,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: a token's log-probability, its rank in the vocabulary (1: the likeliest)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""Per prompt token, its entry and the top ones by token id (None for the first token)."""
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = _omit_none()
 
 
 class CompletionResponse(BaseModel):
@@ -233,6 +249,7 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = _omit_none()
     usage: Usage | None = _omit_none()
     speculation: SpeculationFigures | None = _omit_none()
 

@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from multispec import SamplingParams
+from tests.helpers import last_logits
 
 PROMPT = "Hello world! The quick brown fox"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
@@ -289,3 +290,38 @@ def test_tokenize_and_detokenize_as_vllm(server, tiny):
                              ("/tokenize", {"messages": CHAT, "chat_template": "{% if %}"}, "chat_template")):
         status, _, body = server.request("POST", path, bad)
         assert status == 400 and json.loads(body)["error"]["param"] == param, (path, bad, body)
+
+
+def test_prompt_logprobs_in_vllms_shape(client, tiny):
+    """vLLM's prompt_logprobs: per prompt token (None for the first) its log-probability, its rank
+    in the vocabulary and its text, and the k likeliest ranked 1 to k, keyed by token id; on each
+    completion choice, and once on a chat response. The figures are LLM.generate's, and a rank is
+    the count of likelier tokens plus one at that position."""
+    ids = tiny.tokenizer.encode(PROMPT)
+    want = tiny.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    got = client.completions.create(model="tiny", prompt=ids, n=2, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    for choice in got.choices:
+        block = choice.model_extra["prompt_logprobs"]
+        assert len(block) == len(ids) and block[0] is None
+        for position, (token, entry) in enumerate(zip(ids[1:], block[1:]), 1):
+            ranked = sorted(want.prompt_logprobs[position].items(), key=lambda item: -item[1])[:2]
+            assert entry[str(token)]["rank"] == want.prompt_token_ranks[position]
+            assert entry[str(token)]["logprob"] == pytest.approx(want.prompt_logprobs[position][token])
+            assert entry[str(token)]["decoded_token"] == tiny.tokenizer.decode([token], skip_special_tokens=False)
+            for rank, (t, lp) in enumerate(ranked, 1):
+                assert entry[str(t)]["logprob"] == pytest.approx(lp) and entry[str(t)]["rank"] == (
+                    rank if t != token else want.prompt_token_ranks[position])
+            assert set(entry) == {str(token)} | {str(t) for t, _ in ranked}
+    for position in (1, len(ids) // 2, len(ids) - 1):  # the rank itself, from the model's logits
+        logits = last_logits(tiny, ids[:position])
+        assert want.prompt_token_ranks[position] == int((logits > logits[ids[position]]).sum()) + 1
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    block = chat.model_extra["prompt_logprobs"]
+    assert block[0] is None and all(len(entry) == 1 for entry in block[1:])
+    for bad in ({"prompt_logprobs": -1}, {"prompt_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=bad)
+    with pytest.raises(openai.BadRequestError, match="stream=true"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
