@@ -1,10 +1,11 @@
 """``multispec batch``: n completions for every request of a JSONL file, here or on a Ray cluster.
 
 Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat, given the
-model's template), optionally sampling fields overriding the command line's (``OVERRIDES``), and
-any ``id``; keys that would change the output in a way the engine does not offer (the server's
-``UNSUPPORTED``: beam search, tools, ...) are refused unless they ask for
-nothing, and other keys are ignored. Each output line, in input order, holds the request's
+model's template, with the template's options ``CHAT_OPTIONS``), optionally sampling fields
+overriding the command line's (``OVERRIDES``, and a constraint on the text in any of the server's
+spellings), and any ``id``; keys that would change the output in a way the engine does not offer
+(the server's ``UNSUPPORTED``: beam search, tools, ...) or that a line cannot carry
+(``NOT_IN_LINES``) are refused unless they ask for nothing, and other keys are ignored. Each output line, in input order, holds the request's
 ``index`` (its line among the requests, from 0), its ``id`` when it had one, the completions
 (text, token count, finish reason) and the token usage. The whole file is checked before any
 model is loaded: a bad line is named, with one line on stderr and exit status 2.
@@ -18,10 +19,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+from multispec.api import chat_options
 from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec
 from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
+from multispec.serve.errors import APIError
+from multispec.serve.sampling import STRUCTURED_FIELDS, structured_outputs
 from multispec.serve.schemas import unsupported
 
 OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -29,6 +34,10 @@ OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "
              "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "include_stop_str_in_output",
              "skip_special_tokens", "seed", "structured_outputs")
 """Sampling fields a request may set for itself."""
+CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+"""The chat template's options a ``messages`` line may set (as the server's chat requests do)."""
+NOT_IN_LINES = {"prompt_logprobs": "output lines hold no log-probabilities", "stream": "output lines are written whole"}
+"""Fields the server takes that a batch line cannot: each with why."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,10 +97,18 @@ def _request(line: str, index: int, params: SamplingParams, spec: SpecConfig) ->
         raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
     if ("prompt" in fields) == ("messages" in fields):
         raise ValueError("needs 'prompt' (text) or 'messages' (a chat), exactly one of them")
-    name = unsupported(fields)
+    name = unsupported(fields) or next((k for k in NOT_IN_LINES if fields.get(k) not in (None, False)), None)
     if name is not None:
-        raise ValueError(f"{name}={fields[name]!r}: not supported")
-    request = {"index": index, "params": replace(params, **{k: fields[k] for k in OVERRIDES if k in fields})}
+        why = NOT_IN_LINES.get(name, "not supported")
+        raise ValueError(f"{name}={fields[name]!r}: {why}")
+    overrides = {k: fields[k] for k in OVERRIDES if k in fields}
+    try:  # OpenAI's response_format and vLLM's guided_* fields too, as the server reads them
+        constraint, _ = structured_outputs(SimpleNamespace(**{k: fields.get(k) for k in STRUCTURED_FIELDS}))
+    except APIError as error:
+        raise ValueError(error.message) from None
+    if constraint is not None:
+        overrides["structured_outputs"] = constraint
+    request = {"index": index, "params": replace(params, **overrides)}
     spec.check_temperature(request["params"].temperature)
     if "id" in fields:
         request["id"] = fields["id"]
@@ -101,6 +118,10 @@ def _request(line: str, index: int, params: SamplingParams, spec: SpecConfig) ->
         request["prompt"] = fields["prompt"]
     else:
         request["messages"] = _messages(fields["messages"])
+        request["chat"] = chat_options(fields.get("chat_template"), fields.get("add_generation_prompt", True),
+                                       fields.get("continue_final_message", False), fields.get("chat_template_kwargs"))
+    if "prompt" in fields and any(k in fields for k in CHAT_OPTIONS):
+        raise ValueError(f"{next(k for k in CHAT_OPTIONS if k in fields)}: applies to 'messages' lines only")
     return request
 
 
@@ -122,8 +143,10 @@ def complete(llm, requests: list[dict]) -> list[dict]:
     if prompts:
         done = llm.generate([r["prompt"] for r in prompts], [r["params"] for r in prompts], use_tqdm=False)
         outputs.update(zip((r["index"] for r in prompts), done))
-    if chats:
-        done = llm.chat([r["messages"] for r in chats], [r["params"] for r in chats], use_tqdm=False)
+    if chats:  # each rendered with its own template options, as LLM.chat renders them
+        ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(r["messages"], **r["chat"]),
+                                    add_special_tokens=False) for r in chats]
+        done = llm.generate(ids, [r["params"] for r in chats], use_tqdm=False)
         outputs.update(zip((r["index"] for r in chats), done))
     return [_result(r, outputs[r["index"]]) for r in requests]
 

@@ -34,12 +34,14 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
          "include_stop_str_in_output": True},
         {"prompt": "Hello world", "allowed_token_ids": [17, 18], "truncate_prompt_tokens": 1},
         {"prompt": "Hello world", "seed": 6, "max_tokens": 20, "structured_outputs": {"choice": ["brown fox", "dog"]}},
+        {"messages": chat, "seed": 4, "max_tokens": 20, "guided_choice": ["lazy dog", "fox"],
+         "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %} is", "add_generation_prompt": False},
     )
     assert batch(successor_dir, requests, tmp_path / "out.jsonl", "--n", "2", "--max-tokens", "6") == 0
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["index"] for r in results] == [0, 1, 2, 3, 4, 5, 6]
-    assert [r.get("id") for r in results] == ["first", None, 7, None, None, None, None]
-    assert [len(r["completions"]) for r in results] == [2, 3, 2, 2, 2, 2, 2]
+    assert [r["index"] for r in results] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [r.get("id") for r in results] == ["first", None, 7, None, None, None, None, None]
+    assert [len(r["completions"]) for r in results] == [2, 3, 2, 2, 2, 2, 2, 2]
     assert all(c["text"] in ("brown fox", "dog") and c["finish_reason"] == "stop" for c in results[6]["completions"])
     assert results[5]["usage"]["prompt_tokens"] == 1
     assert all(c["tokens"] <= 4 for c in results[1]["completions"])
@@ -58,7 +60,13 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
                                                           stop=["o"], include_stop_str_in_output=True),
                           use_tqdm=False)[0]
     assert [c["text"] for c in results[4]["completions"]] == [c.text for c in ruled.outputs]
-    assert "7 requests, 15 completions" in capsys.readouterr().err
+    # a chat line's own template and options, and vLLM's older guided_choice: LLM.chat's samples
+    templated = tiny.chat(chat, SamplingParams(n=2, max_tokens=20, seed=4, structured_outputs={
+        "choice": ["lazy dog", "fox"]}), chat_template="{% for m in messages %}{{ m.content }}{% endfor %} is",
+                          add_generation_prompt=False, use_tqdm=False)[0]
+    assert [c["text"] for c in results[7]["completions"]] == [c.text for c in templated.outputs]
+    assert results[7]["usage"]["prompt_tokens"] == len(templated.prompt_token_ids)
+    assert "8 requests, 17 completions" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [
@@ -77,6 +85,12 @@ def test_every_request_gets_its_completions_in_order(successor_dir, tiny, tmp_pa
     ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "line 2: min_tokens=5"),
     ({"prompt": "hi", "logit_bias": {"a": 1}}, "line 2: logit_bias={'a': 1}"),
     ({"prompt": "hi", "structured_outputs": {"regex": "(ab"}}, "line 2: structured_outputs.regex: "),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "line 2: response_format.type='xml'"),
+    ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "line 2: guided_regex and guided_choice both"),
+    ({"prompt": "hi", "prompt_logprobs": 1}, "line 2: prompt_logprobs=1: output lines hold no log-probabilities"),
+    ({"prompt": "hi", "chat_template_kwargs": {"x": 1}}, "line 2: chat_template_kwargs: applies to 'messages' lines"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "line 2: continue_final_message=True needs add_generation_prompt=False"),
 ])
 def test_a_bad_line_is_named(line, message, tmp_path, capsys):
     requests = write_requests(tmp_path / "in.jsonl", {"prompt": "fine"}, line)

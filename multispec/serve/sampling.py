@@ -189,14 +189,15 @@ def _inputs(request: GenerationRequest, prompts: list[list[int]], engine, defaul
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 """vLLM's older request fields and the ``StructuredOutputsParams`` field each sets."""
+STRUCTURED_FIELDS = ("structured_outputs", "response_format", *GUIDED)
+"""Every request field that constrains the text (at most one per request)."""
 
 
 def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsParams | dict | None, str]:
     """The request's constraint on the text and the field that gave it: ``structured_outputs``,
     OpenAI's ``response_format`` or one of vLLM's ``guided_*`` fields (at most one of them)."""
-    given = {name: getattr(request, name) for name in ("structured_outputs", "response_format", *GUIDED)
-             if getattr(request, name) is not None}
-    if request.response_format is not None and request.response_format.get("type") == "text":
+    given = {name: getattr(request, name) for name in STRUCTURED_FIELDS if getattr(request, name) is not None}
+    if isinstance(request.response_format, dict) and request.response_format.get("type") == "text":
         given.pop("response_format")
     if len(given) > 1:
         first, second = list(given)[:2]
@@ -208,6 +209,8 @@ def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsPar
         return {GUIDED[name]: value}, name
     if name == "structured_outputs":
         return value, name
+    if not isinstance(value, dict):
+        raise invalid(name, f"response_format={value!r:.80}: must be an object with a 'type'")
     kind = value.get("type")
     if kind == "json_object":
         return {"json_object": True}, name
