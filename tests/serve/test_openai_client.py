@@ -235,6 +235,9 @@ def test_structured_outputs_through_the_official_client(client, tiny):
                                                       structured_outputs=rule), use_tqdm=False)[0].outputs
         assert [c.text for c in got.choices] == [c.text for c in want]
         assert all(c.finish_reason == "stop" for c in want)
+        streamed, _, _ = stream_texts(client.completions.create(
+            model="tiny", prompt=PROMPT, n=6, max_tokens=40, temperature=1.0, seed=2, stream=True, extra_body=fields))
+        assert streamed == {c.index: c.text for c in got.choices}
         if "choice" in rule:
             assert {c.text for c in want} <= set(rule["choice"])
         else:
