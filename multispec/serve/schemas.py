@@ -109,19 +109,23 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage]
+class ChatTemplateOptions(BaseModel):
+    """vLLM's: the chat template's options, as ``LLM.chat`` takes them."""
+
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    """vLLM's: the chat template's options, as ``LLM.chat`` takes them."""
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
+    messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's ``/tokenize``: a ``prompt`` (text) or ``messages`` (a chat, with the chat template's
     options), exactly one."""
 
@@ -132,10 +136,6 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     """Default: true for a prompt, false for messages (the template writes its own)."""
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
 
