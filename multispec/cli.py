@@ -38,15 +38,29 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int, temperature: float) -> None:
+MODEL_LAW_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The flags a model's generation config gives defaults for, where a command takes them from it."""
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int, temperature: float,
+                       model_defaults: bool = False) -> None:
+    """The sampling flags. ``model_defaults``: the law's flags left out take the model's generation
+    config (``LLM.generation_defaults``), else these defaults (as vLLM does for requests)."""
+    laws = {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    parser.set_defaults(law_defaults=laws if model_defaults else None)
+    given = (lambda name: None) if model_defaults else laws.get
+    tail = " (default: the model's generation config, else %s)" if model_defaults else ""
     parser.add_argument("--n", type=int, default=n, help="samples per prompt (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=temperature)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="drop tokens less likely than this times the likeliest one (0 turns it off)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="divide (or, below 0, multiply) the logits of tokens already in the text (1: off)")
+    parser.add_argument("--temperature", type=float, default=given("temperature"),
+                        help=(tail.replace("%s", str(temperature))).strip() or None)
+    parser.add_argument("--top-p", type=float, default=given("top_p"), help=tail.replace("%s", "1.0").strip() or None)
+    parser.add_argument("--top-k", type=int, default=given("top_k"), help="0 turns top-k off" + tail.replace("%s", "0"))
+    parser.add_argument("--min-p", type=float, default=given("min_p"),
+                        help="drop tokens less likely than this times the likeliest one (0 turns it off)"
+                             + tail.replace("%s", "0"))
+    parser.add_argument("--repetition-penalty", type=float, default=given("repetition_penalty"),
+                        help="divide (or, below 0, multiply) the logits of tokens already in the text (1: off)"
+                             + tail.replace("%s", "1"))
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="subtract this times a token's count in the generated text (0: off)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
@@ -146,11 +160,16 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
     parser.add_argument("--no-aggregate", action="store_true", help="consensus ablation: first match wins")
 
 
-def _sampling(args) -> SamplingParams:
-    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed, stop=args.stop)
+def _sampling(args, model_defaults: dict | None = None) -> SamplingParams:
+    """The sampling flags as ``SamplingParams``; where the command takes the model's defaults, the
+    law's flags left out come from ``model_defaults`` (the model's generation config), else from
+    the command's own defaults."""
+    fallback = getattr(args, "law_defaults", None) or {}
+    law = {name: getattr(args, name) if getattr(args, name) is not None
+           else (model_defaults or {}).get(name, fallback.get(name)) for name in MODEL_LAW_FLAGS}
+    return SamplingParams(n=args.n, **law, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty, max_tokens=args.max_tokens,
+                          min_tokens=args.min_tokens, seed=args.seed, stop=args.stop)
 
 
 def _spec(args) -> SpecConfig:
@@ -186,6 +205,10 @@ def cmd_generate(args) -> int:
     spec.check_temperature(params.temperature)
     options = _chat_options(args)
     llm = _llm(args)
+    if llm.generation_defaults:  # the law's flags left out take the model's generation config
+        model_law = _sampling(args, llm.generation_defaults)
+        params = replace(params, **{name: getattr(model_law, name) for name in MODEL_LAW_FLAGS})
+        spec.check_temperature(params.temperature)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, spec, **options)
     else:
@@ -277,12 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="draw n samples for each prompt")
     _add_model_args(gen)
-    _add_sampling_args(gen, n=1, max_tokens=256, temperature=1.0)
+    _add_sampling_args(gen, n=1, max_tokens=256, temperature=1.0, model_defaults=True)
     _add_spec_args(gen, drafter="none")
     gen.add_argument("--prompt", help="one prompt")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="--chat: this Jinja template instead of the model's")
+    gen.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                     help="--chat: this Jinja template instead of the model's")
     gen.add_argument("--chat-template-kwargs", metavar="JSON",
                      help='--chat: more variables for the template, e.g. \'{"enable_thinking": false}\'')
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")

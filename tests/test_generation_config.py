@@ -69,3 +69,17 @@ def test_a_bad_generation_config_is_named(configured, tmp_path, content, needle)
         LLM(str(directory), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="generation_config='nowhere'"):
         LLM(str(configured), device="cpu", generation_config="nowhere")
+
+
+def test_the_generate_command_takes_the_defaults_its_flags_leave_out(configured):
+    """``multispec generate``: the law's flags left out take the generation config, those given win
+    (the other commands keep their own defaults: gsm8k and eval sample at T 0.7)."""
+    from multispec.cli import _sampling, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--top-k", "7"])
+    params = _sampling(args, {"temperature": 0.5, "top_k": 3, "repetition_penalty": 1.2})
+    assert (params.temperature, params.top_k, params.repetition_penalty, params.top_p) == (0.5, 7, 1.2, 1.0)
+    assert _sampling(args).temperature == 1.0  # before the model is known: the command's own default
+    gsm = parser.parse_args(["gsm8k"])
+    assert _sampling(gsm, {"temperature": 0.5}).temperature == 0.7
