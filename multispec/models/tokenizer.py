@@ -130,7 +130,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         """Render a conversation with the checkpoint's own template (or ``chat_template``).
 
         A plain string is one user message. Keys whose value is ``None`` are dropped, as
@@ -138,7 +138,9 @@ class Tokenizer:
         transformers and vLLM: ``continue_final_message`` ends the text inside the last message
         (the model goes on writing it, for example a prefilled assistant answer) instead of
         after it; ``template_kwargs`` are more variables for the template (for example
-        ``{"enable_thinking": False}`` where a template reads it).
+        ``{"enable_thinking": False}`` where a template reads it); ``tools``: function
+        definitions (OpenAI's ``{"type": "function", "function": {...}}``) for templates that
+        render them.
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
@@ -157,7 +159,7 @@ class Tokenizer:
             raise ValueError("this checkpoint has no chat template: give one (chat_template)")
         messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
-            text = template.render(messages=messages, tools=None, documents=None,
+            text = template.render(messages=messages, tools=tools or None, documents=None,
                                    add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from None

@@ -27,7 +27,7 @@ from multispec.serve.formats import ChatFormat, CompletionFormat
 from multispec.serve.generation import Generation, Run, Traffic
 from multispec.serve.guard import Guard
 from multispec.serve.metrics import Metrics
-from multispec.serve.sampling import Limits, chat_inputs, chat_prompt, completion_inputs
+from multispec.serve.sampling import Limits, chat_inputs, chat_prompt, completion_inputs, tool_mode
 from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 
@@ -136,7 +136,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
-                         body.prompt_logprobs)
+                         body.prompt_logprobs, tool_mode(body))
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

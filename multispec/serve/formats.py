@@ -8,6 +8,8 @@ chunk choice, and a finished ``Choice`` (the deltas gathered) into a response ch
 
 from __future__ import annotations
 
+import json
+import secrets
 from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
@@ -15,7 +17,8 @@ from pydantic import BaseModel
 from multispec.params import CompletionOutput, RequestOutput
 from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-                                     CompletionResponse, Delta, PromptLogprob, TokenLogprob, TopLogprob)
+                                     CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
+                                     TopLogprob)
 
 
 @dataclass
@@ -133,10 +136,13 @@ class ChatFormat:
     id_prefix = "chatcmpl"
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, tool_mode: str | None = None):
+        """``tool_mode``: the answers are tool calls ("required": a JSON list of ``{"name",
+        "parameters"}``; else the name of the function whose arguments they are)."""
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.tool_mode = tool_mode
 
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
@@ -175,9 +181,28 @@ class ChatFormat:
     def response(self, response_id: str, created: int, model: str, choices: list[Choice],
                  **extra) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=response_id, created=created, model=model, choices=[
-            ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)), logprobs=c.logprobs,
+            ChatChoice(index=i, message=self._message("".join(c.text)), logprobs=c.logprobs,
                        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
             prompt_logprobs=choices[0].prompt_logprobs if choices else None, **extra)
+
+    def _message(self, text: str) -> AssistantMessage:
+        """The answer as text, or as tool calls where the request forced them (as vLLM gives them:
+        a named function's arguments are the text; "required" parses the list, and a list cut
+        short by max_tokens stays text)."""
+        if self.tool_mode is None:
+            return AssistantMessage(content=text)
+        if self.tool_mode != "required":
+            return AssistantMessage(content="", tool_calls=[_tool_call(self.tool_mode, text)])
+        try:
+            calls = [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                     for call in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return AssistantMessage(content=text)
+        return AssistantMessage(content="", tool_calls=calls)
+
+
+def _tool_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"chatcmpl-tool-{secrets.token_hex(16)}", function=FunctionCall(name=name, arguments=arguments))
 
 
 def _top(entry: dict[int, float], token: int, k: int | None) -> list[tuple[int, float]]:

@@ -78,7 +78,8 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
         content = message.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        conversation.append({"role": message.role, "content": content or "", "name": message.name})
+        extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
+        conversation.append({"role": message.role, "content": content or "", "name": message.name, **extra})
     try:
         options = chat_options(chat_template if request.chat_template is None else request.chat_template,
                                True if request.add_generation_prompt is None else request.add_generation_prompt,
@@ -87,6 +88,9 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
         field = next((name for name in ("chat_template_kwargs", "chat_template", "add_generation_prompt")
                       if str(error).startswith(name)), "continue_final_message")
         raise invalid(field, str(error)) from None
+    tools = getattr(request, "tools", None)
+    if tools:
+        options["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
     try:
         text = tokenizer.apply_chat_template(conversation, **options)
     except ValueError as error:
@@ -197,11 +201,14 @@ def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsPar
     """The request's constraint on the text and the field that gave it: ``structured_outputs``,
     OpenAI's ``response_format`` or one of vLLM's ``guided_*`` fields (at most one of them)."""
     given = {name: getattr(request, name) for name in STRUCTURED_FIELDS if getattr(request, name) is not None}
+    tools = tool_constraint(request) if isinstance(request, ChatCompletionRequest) else None
     if isinstance(request.response_format, dict) and request.response_format.get("type") == "text":
         given.pop("response_format")
-    if len(given) > 1:
-        first, second = list(given)[:2]
+    if len(given) > 1 or (given and tools is not None):
+        first, second = list(given)[:2] if len(given) > 1 else ("tool_choice", next(iter(given)))
         raise invalid(second, f"{first} and {second} both constrain the text: give one of them")
+    if tools is not None:
+        return tools, "tool_choice"
     if not given:
         return None, "structured_outputs"
     (name, value), = given.items()
@@ -220,6 +227,52 @@ def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsPar
             raise invalid(name, "response_format.json_schema must be an object whose 'schema' is a JSON schema")
         return {"json": schema["schema"]}, name
     raise invalid(name, f"response_format.type={kind!r}: must be 'text', 'json_object' or 'json_schema'")
+
+
+def tool_mode(request: ChatCompletionRequest) -> str | None:
+    """What the answer is: None (text), "required" (a JSON list of calls) or the name of the one
+    function it calls (``tool_choice`` named)."""
+    choice = request.tool_choice
+    if choice == "required":
+        return "required"
+    if isinstance(choice, dict):
+        return (choice.get("function") or {}).get("name")
+    return None
+
+
+def tool_constraint(request: ChatCompletionRequest) -> dict | None:
+    """The constraint ``tools`` and ``tool_choice`` put on the answer, as vLLM builds it: a named
+    function's arguments follow its parameter schema; "required" is a non-empty JSON list of
+    ``{"name", "parameters"}``, each as one of the functions declares; None for "none"."""
+    tools = request.tools or []
+    choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise invalid("tool_choice", f"tool_choice={choice!r} needs tools")
+    names = [tool.function.name for tool in tools]
+    if len(set(names)) != len(names) or not all(names):
+        raise invalid("tools", "tools: each function needs a name, and the names must differ")
+    if choice == "none":
+        return None
+    if choice == "auto":
+        raise invalid("tool_choice", "tool_choice='auto' (the default with tools) needs the model's own tool-call "
+                                     "format parsed, which this server does not do: give tool_choice='required', a "
+                                     "named function {'type': 'function', 'function': {'name': ...}}, or 'none'")
+    if request.stream:
+        raise invalid("stream", f"tool_choice={choice!r} answers with tool calls, which are not streamed here: "
+                                f"give stream=false")
+    if choice == "required":
+        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                              "parameters": tool.function.parameters or {"type": "object"}},
+             "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]}}}
+    name = tool_mode(request)
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+        raise invalid("tool_choice", f"tool_choice={choice!r:.80}: must be 'none', 'required' or "
+                                     f"{{'type': 'function', 'function': {{'name': ...}}}}")
+    tool = next((tool for tool in tools if tool.function.name == name), None)
+    if tool is None:
+        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
+    return {"json": tool.function.parameters or {"type": "object"}}
 
 
 def _check_extra_fields(request: GenerationRequest) -> None:

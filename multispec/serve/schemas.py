@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
-    "functions": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "functions": ([],),
     "function_call": ("none", "auto"),
     # vLLM's extras
     "use_beam_search": (False,), "length_penalty": (1,),
@@ -118,8 +117,27 @@ class ChatTemplateOptions(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    """With ``tools``: "required" or a named function (``{"type": "function", "function": {"name":
+    ...}}``) make the answer tool calls, its arguments constrained to the functions' parameter
+    schemas (exact under speculation); "none" renders the tools for the model and calls none;
+    "auto" (OpenAI's default with tools) needs the model's own tool-call format parsed, which this
+    server does not do, and is refused."""
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -230,9 +248,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = []
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatChoice(BaseModel):

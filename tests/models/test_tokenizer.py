@@ -133,6 +133,10 @@ def test_template_options_match_transformers(tmp_path, template):
                                        continue_final_message=options.get("continue_final_message", False),
                                        chat_template=other, template_kwargs=kwargs)
         assert got == want, options
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ours.apply_chat_template(PREFILLED, chat_template=with_tools, tools=tools) == hf.apply_chat_template(
+        PREFILLED, tokenize=False, chat_template=with_tools, tools=tools)
     cut = ours.apply_chat_template(PREFILLED, False, continue_final_message=True, chat_template=other)
     assert cut.endswith("It is  " if other else "assistantIt is")
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):

@@ -11,6 +11,7 @@ import pytest
 from tests.serve.conftest import API_KEY, MAX_N, MAX_REQUEST_BYTES, MAX_TOKENS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT = [{"role": "user", "content": "hi"}]
 
 BAD_COMPLETIONS = [
@@ -54,7 +55,14 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"stop": [""]}, "stop"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": [TOOL]}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "none"}, "tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "stream": True}, "stream"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
     ({"continue_final_message": True}, "continue_final_message"), ({"add_generation_prompt": "maybe"},
                                                                     "add_generation_prompt"),
     ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),

@@ -244,6 +244,41 @@ def test_structured_outputs_through_the_official_client(client, tiny):
             assert all(json.loads(c.text)["animal"] in ("fox", "dog") and " " not in c.text for c in want)
 
 
+ANIMAL_TOOL = {"type": "function", "function": {"name": "record", "description": "Record an animal.", "parameters": {
+    "type": "object", "properties": {"animal": {"enum": ["fox", "dog"]}}, "required": ["animal"],
+    "additionalProperties": False}}}
+COUNT_TOOL = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_through_the_official_client(client, tiny):
+    """A named function (what libraries that extract data with function calling send) and
+    "required": the answers are tool calls whose arguments follow the functions' schemas, as vLLM
+    gives them (content "", finish_reason "stop"); the named call's arguments are LLM.chat's text
+    under that schema. "auto" is refused: it needs the model's own tool-call format."""
+    settings = dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=5, max_tokens=60)
+    named = client.chat.completions.create(tools=[ANIMAL_TOOL, COUNT_TOOL], **settings,
+                                           tool_choice={"type": "function", "function": {"name": "record"}})
+    want = tiny.chat(CHAT, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=60, structured_outputs={
+        "json": ANIMAL_TOOL["function"]["parameters"]}), use_tqdm=False)[0].outputs
+    for choice, expected in zip(named.choices, want):
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "record" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.arguments == expected.text and choice.message.content == ""
+        if choice.finish_reason == "stop":
+            assert json.loads(call.function.arguments)["animal"] in ("fox", "dog")
+    required = client.chat.completions.create(tools=[ANIMAL_TOOL, COUNT_TOOL], tool_choice="required",
+                                              **{**settings, "max_tokens": 120})
+    parsed = [c for c in required.choices if c.message.tool_calls]
+    assert parsed and all(c.finish_reason == "stop" for c in parsed)
+    for choice in parsed:
+        for call in choice.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert (call.function.name, set(arguments)) in (("record", {"animal"}), ("count", {"n"}))
+    with pytest.raises(openai.BadRequestError, match="tool_choice='auto'"):
+        client.chat.completions.create(tools=[ANIMAL_TOOL], **settings)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [1, 8])
 def test_chat_n_samples_streamed_or_not_with_logprobs(client, n, stream):
