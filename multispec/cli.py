@@ -48,19 +48,20 @@ def _add_sampling_args(parser: argparse.ArgumentParser, n: int, max_tokens: int,
     config (``LLM.generation_defaults``), else these defaults (as vLLM does for requests)."""
     laws = {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
     parser.set_defaults(law_defaults=laws if model_defaults else None)
-    given = (lambda name: None) if model_defaults else laws.get
-    tail = " (default: the model's generation config, else %s)" if model_defaults else ""
+
+    def law(flag: str, kind, what: str = "") -> None:
+        name = flag[2:].replace("-", "_")
+        default = f"the model's generation config, else {laws[name]}" if model_defaults else str(laws[name])
+        parser.add_argument(flag, type=kind, default=None if model_defaults else laws[name],
+                            help=f"{what}(default: {default})")
+
     parser.add_argument("--n", type=int, default=n, help="samples per prompt (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=given("temperature"),
-                        help=(tail.replace("%s", str(temperature))).strip() or None)
-    parser.add_argument("--top-p", type=float, default=given("top_p"), help=tail.replace("%s", "1.0").strip() or None)
-    parser.add_argument("--top-k", type=int, default=given("top_k"), help="0 turns top-k off" + tail.replace("%s", "0"))
-    parser.add_argument("--min-p", type=float, default=given("min_p"),
-                        help="drop tokens less likely than this times the likeliest one (0 turns it off)"
-                             + tail.replace("%s", "0"))
-    parser.add_argument("--repetition-penalty", type=float, default=given("repetition_penalty"),
-                        help="divide (or, below 0, multiply) the logits of tokens already in the text (1: off)"
-                             + tail.replace("%s", "1"))
+    law("--temperature", float)
+    law("--top-p", float)
+    law("--top-k", int, "0 turns top-k off ")
+    law("--min-p", float, "drop tokens less likely than this times the likeliest one (0 turns it off) ")
+    law("--repetition-penalty", float,
+        "divide (or, below 0, multiply) the logits of tokens already in the text (1: off) ")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="subtract this times a token's count in the generated text (0: off)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,

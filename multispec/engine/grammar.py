@@ -14,6 +14,7 @@ leaves them.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -46,13 +47,21 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 def check(params: StructuredOutputsParams) -> str:
     """The grammar for ``params`` once it compiles without a tokenizer (syntax, the schema's own
     rules), or a ValueError naming the field; the engine checks it again against its vocabulary."""
+    grammar = grammar_text(params)
+    error = _compile_error(grammar)
+    if error is not None:
+        raise ValueError(f"structured_outputs.{params.kind}: {error}")
+    return grammar
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_error(grammar: str) -> str | None:
+    """Why ``grammar`` does not compile, or None; cached, as ``SamplingParams`` checks its grammar
+    again whenever it is copied with a change (``dataclasses.replace``)."""
     from llguidance import LLMatcher
 
-    grammar = grammar_text(params)
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        raise ValueError(f"structured_outputs.{params.kind}: {_one_line(messages[0] if messages else 'invalid')}")
-    return grammar
+    return _one_line(messages[0] if messages else "invalid") if failed else None
 
 
 def _one_line(error) -> str:
@@ -81,14 +90,15 @@ class Grammars:
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for ``params`` (a request's template: its samples take copies), or a
-        ValueError naming the field where the grammar does not compile."""
+        ValueError naming the field where the grammar does not fit the vocabulary."""
         from llguidance import LLMatcher
 
-        grammar = check(params)
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if failed:
-            raise ValueError(f"structured_outputs.{params.kind}: {_one_line(messages[0] if messages else 'invalid')}")
-        return LLMatcher(self.tokenizer, grammar, log_level=0)
+        # SamplingParams compiled it without a tokenizer when it was built; built here once more,
+        # against the vocabulary, the matcher says what it cannot take there (a special token, an id).
+        matcher = LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {_one_line(matcher.get_error())}")
+        return matcher
 
 
 def advance(sample) -> bool:
