@@ -55,6 +55,8 @@ class Tokenizer:
         if eos_token is not None and (eos_id := self.token_to_id(eos_token)) is not None:
             eos_ids.append(eos_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_ids))
+        self.tokenizer_class: str | None = None
+        """The class ``tokenizer_config.json`` names (transformers' ``tokenizer_class``), if any."""
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -84,7 +86,10 @@ class Tokenizer:
 
         eos_ids = token_id_list(read_json_object(path / "generation_config.json").get("eos_token_id"))
         eos_ids += token_id_list(read_json_object(path / "config.json").get("eos_token_id"))
-        return cls(backend, special_tokens, _chat_template(path, config), eos_ids)
+        tokenizer = cls(backend, special_tokens, _chat_template(path, config), eos_ids)
+        if isinstance(config.get("tokenizer_class"), str):
+            tokenizer.tokenizer_class = config["tokenizer_class"]
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:

@@ -163,6 +163,21 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             raise invalid("tokens", f"token ids must lie in [0, {engine.vocab_size}), not {outside[:5]}")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's: the tokenizer's configuration (named special tokens, the chat template the chat
+        endpoint renders with, the context length), what evaluation harnesses read to tokenize
+        through this server instead of loading the tokenizer themselves."""
+        tokenizer = engine.tokenizer
+        info = {**tokenizer.special_tokens, "tokenizer_class": tokenizer.tokenizer_class or "PreTrainedTokenizerFast",
+                "model_max_length": engine.config.max_model_len,
+                "add_bos_token": tokenizer.bos_token_id is not None
+                and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]}
+        template = config.chat_template if config.chat_template is not None else tokenizer.chat_template
+        if template is not None:
+            info["chat_template"] = template
+        return info
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=config.served_model_name, created=started, root=str(async_llm.llm.model_name),

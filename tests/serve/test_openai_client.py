@@ -13,6 +13,7 @@ import pytest
 
 from multispec import SamplingParams
 from tests.helpers import last_logits
+from tests.serve.conftest import API_KEY
 
 PROMPT = "Hello world! The quick brown fox"
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
@@ -153,6 +154,38 @@ def test_echo_scores_a_text_as_evaluation_harnesses_ask(client, tiny):
                                          stream=True, extra_body={"ignore_eos": True})
     texts, _, _ = stream_texts(streamed)
     assert texts[0] == tiny.tokenizer.decode(ids, skip_special_tokens=False) + want.outputs[0].text
+
+
+def test_scores_continuations_as_lm_eval_asks(server, tiny):
+    """What lm-evaluation-harness's ``local-completions`` does for a loglikelihood task: check
+    /tokenizer_info and /tokenize (its remote tokenizer), then send a batch of context +
+    continuation token lists with echo, max_tokens 1, logprobs 1, temperature 0 and a seed, and
+    read each continuation's log-likelihood as the sum of token_logprobs[ctxlen:-1] and "greedy" as
+    every such token being the likeliest of its top_logprobs. Both equal LLM.generate's prompt
+    log-probabilities and ranks for the same tokens."""
+    status, _, body = server.request("GET", "/tokenizer_info")
+    assert status == 200 and "eos_token" in json.loads(body)
+    status, _, body = server.request("POST", "/tokenize", {"prompt": "test", "add_special_tokens": False})
+    assert status == 200 and json.loads(body)["tokens"] == tiny.tokenizer.encode("test", add_special_tokens=False)
+    context = tiny.tokenizer.encode(PROMPT, add_special_tokens=False)
+    continuations = [tiny.tokenizer.encode(text, add_special_tokens=False) for text in (" jumps over", " is red")]
+    payload = {"model": "tiny", "prompt": [context + c for c in continuations], "temperature": 0, "max_tokens": 1,
+               "logprobs": 1, "seed": 1234, "echo": True}
+    status, _, body = server.request("POST", "/v1/completions", payload, {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200
+    choices = sorted(json.loads(body)["choices"], key=lambda choice: choice["index"])
+    assert len(choices) == 2
+    for choice, continuation in zip(choices, continuations):
+        ids = context + continuation
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(ids) + 1  # the prompt's, then the one generated
+        got = sum(logprobs["token_logprobs"][len(context):-1])
+        greedy = all(lp == max(top.values()) for lp, top in zip(logprobs["token_logprobs"][len(context):-1],
+                                                                logprobs["top_logprobs"][len(context):-1]))
+        want = tiny.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        expected = sum(want.prompt_logprobs[i][t] for i, t in enumerate(ids) if i >= len(context))
+        assert got == pytest.approx(expected, abs=1e-4)
+        assert greedy == all(want.prompt_token_ranks[i] == 1 for i in range(len(context), len(ids)))
 
 
 def test_truncate_prompt_tokens_runs_a_prompt_past_the_window(client, tiny):
@@ -310,8 +343,9 @@ def test_metrics_count_requests_tokens_and_speculation(server, client):
 
 
 def test_tokenize_and_detokenize_as_vllm(server, tiny):
-    """vLLM's /tokenize (a prompt, or a chat through the template and its options) and /detokenize:
-    the ids the completions and chat endpoints run on, and their text back; bad bodies are 400s
+    """vLLM's /tokenize (a prompt, or a chat through the template and its options), /detokenize and
+    /tokenizer_info: the ids the completions and chat endpoints run on, their text back, and the
+    special tokens and template a client tokenizing through the server reads; bad bodies are 400s
     naming the field."""
     status, _, body = server.request("POST", "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
     out = json.loads(body)
@@ -323,6 +357,11 @@ def test_tokenize_and_detokenize_as_vllm(server, tiny):
     status, _, body = server.request("POST", "/detokenize", {"tokens": out["tokens"]})
     text = tiny.tokenizer.decode(out["tokens"], skip_special_tokens=False)
     assert status == 200 and json.loads(body)["prompt"] == text
+    status, _, body = server.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    assert status == 200 and info["eos_token"] == tiny.tokenizer.special_tokens["eos_token"]
+    assert info["chat_template"] == tiny.tokenizer.chat_template and info["model_max_length"] == 256
+    assert info["add_bos_token"] == (tiny.tokenizer.encode("a")[0] == tiny.tokenizer.bos_token_id)
     for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
                              ("/detokenize", {"tokens": [10**6]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
                              ("/tokenize", {"messages": CHAT, "chat_template": "{% if %}"}, "chat_template")):
