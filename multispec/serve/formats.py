@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from multispec.params import CompletionOutput, RequestOutput
 from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-                                     CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
-                                     TopLogprob)
+                                     CompletionResponse, Delta, DeltaFunctionCall, DeltaToolCall, FunctionCall,
+                                     PromptLogprob, TokenLogprob, ToolCall, TopLogprob)
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Choice:
     text_offset: int = 0
     echoed: bool = False
     prompt_logprobs: list | None = None
+    calls: ToolCallStream | None = None
+    """A streamed answer's tool calls so far (forced tool calls)."""
 
     def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
         self.text.append(delta.text)
@@ -115,7 +117,7 @@ class CompletionFormat:
         return block
 
     def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
-              logprobs: BaseModel | None) -> CompletionResponse:
+              logprobs: BaseModel | None, choice: Choice) -> CompletionResponse:
         return CompletionResponse(id=response_id, created=created, model=model, choices=[CompletionChoice(
             index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason)])
@@ -147,6 +149,9 @@ class ChatFormat:
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
         _keep_prompt_logprobs(self.prompt_logprobs, out, choice, self.token_text)
+        if self.tool_mode is not None:
+            choice.calls = choice.calls or ToolCallStream(self.tool_mode)
+            choice.calls.feed(delta.text)
         return delta, self.logprobs(delta, choice)
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
@@ -170,9 +175,18 @@ class ChatFormat:
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
     def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
-              logprobs: BaseModel | None) -> ChatCompletionChunk:
+              logprobs: BaseModel | None, choice: Choice) -> ChatCompletionChunk | None:
+        """The delta's chunk; with forced tool calls, the pieces of calls it completes instead of
+        its text (None where it completes none and finishes nothing)."""
+        if choice.calls is None:
+            shown = Delta(content=delta.text)
+        else:
+            pieces = choice.calls.take()
+            if not pieces and delta.finish_reason is None:
+                return None
+            shown = Delta(tool_calls=pieces or None)
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[ChatChunkChoice(
-            index=index, delta=Delta(content=delta.text), logprobs=logprobs, finish_reason=delta.finish_reason,
+            index=index, delta=shown, logprobs=logprobs, finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason)])
 
     def tail(self, response_id: str, created: int, model: str, **extra) -> ChatCompletionChunk:
@@ -202,7 +216,73 @@ class ChatFormat:
 
 
 def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"chatcmpl-tool-{secrets.token_hex(16)}", function=FunctionCall(name=name, arguments=arguments))
+    return ToolCall(id=_tool_call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
+def _tool_call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+class ToolCallStream:
+    """A streamed answer's forced tool calls, as the text arrives. A named function: the text is
+    its arguments, sent as it comes (the first piece with the call's id and name). "required": the
+    text is a JSON list of ``{"name", "parameters"}``, and each call is sent whole once its object
+    closes (a list cut short by max_tokens keeps the calls it completed)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.pending: list[DeltaToolCall] = []
+        self.sent = 0
+        self.text = ""
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.start = 0
+
+    def feed(self, text: str) -> None:
+        if not text:
+            return
+        if self.mode != "required":
+            first = self.sent == 0
+            self.pending.append(DeltaToolCall(index=0, id=_tool_call_id() if first else None,
+                                              type="function" if first else None,
+                                              function=DeltaFunctionCall(name=self.mode if first else None,
+                                                                         arguments=text)))
+            self.sent = 1
+            return
+        offset = len(self.text)
+        self.text += text
+        for i, char in enumerate(text, offset):  # the list's depth-1 objects, strings skipped
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.start = i
+            elif char in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    self._complete(self.text[self.start:i + 1])
+
+    def _complete(self, text: str) -> None:
+        try:
+            call = json.loads(text)
+            name, arguments = call["name"], json.dumps(call["parameters"], ensure_ascii=False)
+        except (ValueError, TypeError, KeyError):
+            return
+        self.pending.append(DeltaToolCall(index=self.sent, id=_tool_call_id(), type="function",
+                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
+        self.sent += 1
+
+    def take(self) -> list[DeltaToolCall]:
+        pieces, self.pending = self.pending, []
+        return pieces
 
 
 def _top(entry: dict[int, float], token: int, k: int | None) -> list[tuple[int, float]]:

@@ -174,9 +174,10 @@ class Run:
                     yield _event(chunk.model_dump_json())
                 async for index, out in self.generation:
                     # One write for all the chunks of one engine output (a step's deltas of n samples).
-                    events = [_event(self.fmt.chunk(*head, choice_index, delta, logprobs).model_dump_json())
+                    chunks = [self.fmt.chunk(*head, choice_index, delta, logprobs, self.choices[choice_index])
                               for choice_index, delta, logprobs in self._take(index, out)
                               if delta.token_ids or delta.text or delta.finish_reason]
+                    events = [_event(chunk.model_dump_json()) for chunk in chunks if chunk is not None]
                     if events:
                         yield "".join(events)
                 if include_usage:

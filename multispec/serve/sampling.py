@@ -257,9 +257,6 @@ def tool_constraint(request: ChatCompletionRequest) -> dict | None:
         raise invalid("tool_choice", "tool_choice='auto' (the default with tools) needs the model's own tool-call "
                                      "format parsed, which this server does not do: give tool_choice='required', a "
                                      "named function {'type': 'function', 'function': {'name': ...}}, or 'none'")
-    if request.stream:
-        raise invalid("stream", f"tool_choice={choice!r} answers with tool calls, which are not streamed here: "
-                                f"give stream=false")
     if choice == "required":
         return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},

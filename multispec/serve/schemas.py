@@ -284,9 +284,24 @@ class ChatCompletionResponse(BaseModel):
     speculation: SpeculationFigures | None = _omit_none()
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first piece of call ``index`` carries its id, type and
+    name; the pieces' ``arguments`` joined are the call's."""
+    index: int
+    id: str | None = _omit_none()
+    type: Literal["function"] | None = _omit_none()
+    function: DeltaFunctionCall
+
+
 class Delta(BaseModel):
     role: str | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -60,7 +60,6 @@ BAD_CHAT = [
     ({"tools": [TOOL, TOOL], "tool_choice": "none"}, "tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"tools": [TOOL], "tool_choice": "required", "stream": True}, "stream"),
     ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
     ({"continue_final_message": True}, "continue_final_message"), ({"add_generation_prompt": "maybe"},

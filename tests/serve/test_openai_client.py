@@ -312,6 +312,41 @@ def test_forced_tool_calls_through_the_official_client(client, tiny):
         client.chat.completions.create(tools=[ANIMAL_TOOL], **settings)
 
 
+def test_forced_tool_calls_streamed(client):
+    """Streamed, forced tool calls arrive as delta.tool_calls: a named function's arguments piece by
+    piece (the first piece with the call's id, type and name), "required"'s calls each whole once
+    its object closes; no content. Joined, they are the calls the same seeded request answers
+    unstreamed."""
+    settings = dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=5, max_tokens=120,
+                    tools=[ANIMAL_TOOL, COUNT_TOOL])
+    for tool_choice in ({"type": "function", "function": {"name": "record"}}, "required"):
+        whole = client.chat.completions.create(tool_choice=tool_choice, **settings)
+        calls: dict[int, dict[int, list]] = {}
+        finishes = {}
+        pieces = 0
+        for chunk in client.chat.completions.create(tool_choice=tool_choice, stream=True, **settings):
+            for choice in chunk.choices:
+                assert not choice.delta.content
+                for piece in choice.delta.tool_calls or []:
+                    pieces += 1
+                    held = calls.setdefault(choice.index, {})
+                    if piece.index not in held:
+                        assert piece.id.startswith("chatcmpl-tool-") and piece.type == "function"
+                        held[piece.index] = [piece.function.name, ""]
+                    else:
+                        assert piece.id is None and piece.function.name is None
+                    held[piece.index][1] += piece.function.arguments
+                if choice.finish_reason is not None:
+                    finishes[choice.index] = choice.finish_reason
+        assert finishes == {c.index: c.finish_reason for c in whole.choices}
+        for choice in whole.choices:
+            if choice.message.tool_calls:
+                want = [[call.function.name, call.function.arguments] for call in choice.message.tool_calls]
+                assert [calls[choice.index][i] for i in sorted(calls[choice.index])] == want
+        if tool_choice != "required":
+            assert pieces > sum(len(calls[i]) for i in calls)  # arguments came in several pieces
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [1, 8])
 def test_chat_n_samples_streamed_or_not_with_logprobs(client, n, stream):
