@@ -171,9 +171,10 @@ class SamplingParams:
     probability where the text ends with the rest of it; each word with and without a leading
     space), all as vLLM applies them, before the penalties and the temperature (see
     ``multispec.engine.rules``). ``truncate_prompt_tokens`` k keeps the prompt's last k tokens
-    (-1: as many as the context window leaves room for), as vLLM does. The text: a stop string is cut off unless
+    (-1: as many as the context window leaves room for), as vLLM does. The text: a stop string,
+    and the text of the stop token that ends a sample, are left out unless
     ``include_stop_str_in_output``; special tokens are left out unless ``skip_special_tokens`` is
-    False. ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
+    False (both as in vLLM). ``prompt_logprobs`` asks for the prompt's tokens' log-probabilities (each with that
     many top ones; the first token has none), as vLLM reports them. ``structured_outputs``
     (``StructuredOutputsParams`` or a dict of its fields) constrains the text to a JSON schema, a
     regex, a choice of strings or a grammar, exactly under speculation. ``logprobs`` asks for that many top

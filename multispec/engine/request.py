@@ -84,9 +84,14 @@ class Sample:
                     entry[token] = token_logprobs[i]
                 self.logprobs.append(entry)
             added += 1
-            if self.stream is not None and self._extend_text(self.stream(token), len(self.output_ids) > sp.min_tokens):
-                break
-            if token in request.stop_ids:
+            stops = token in request.stop_ids
+            if self.stream is not None:
+                piece = self.stream(token)
+                if stops and not sp.include_stop_str_in_output:
+                    piece = ""  # as vLLM: the text of the stop token that ends a sample is left out
+                if self._extend_text(piece, len(self.output_ids) > sp.min_tokens):
+                    break
+            if stops:
                 self.finish("stop", None if token in request.eos_ids else token)
                 break
         if self.finish_reason is None and self.remaining <= 0:
@@ -116,7 +121,11 @@ class Sample:
         """The text an output shows: all of it once finished; while running, all but the tail
         that could still turn out to be the start of a stop string."""
         if self.stream is None:
-            return tokenizer.decode(self.output_ids, skip_special_tokens=self.request.params.skip_special_tokens)
+            ids = self.output_ids
+            if (self.finish_reason == "stop" and ids and ids[-1] in self.request.stop_ids
+                    and not self.request.params.include_stop_str_in_output):
+                ids = ids[:-1]  # the stop token that ended the sample (the only stop without a stream)
+            return tokenizer.decode(ids, skip_special_tokens=self.request.params.skip_special_tokens)
         if self.finished or not self.request.params.stop:
             return self.text
         return self.text[: max(0, len(self.text) - self.request.longest_stop + 1)]

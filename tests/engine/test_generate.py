@@ -115,6 +115,27 @@ def test_stop_string_and_stop_token(llm):
     assert out[0].outputs[0].token_ids == first[:2] and out[0].outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stop", [(), (" never",)], ids=["whole-text", "streamed-text"])
+def test_the_stop_token_text_is_left_out_as_vllm_does(llm, stop):
+    """As in vLLM, the stop token that ends a sample (an end of sequence, or one of
+    ``stop_token_ids``) counts among its tokens but not in its text, unless
+    ``include_stop_str_in_output``; so ``skip_special_tokens=False`` shows no end-of-sequence text.
+    Both ways the text is made: decoded at the end, and as tokens arrive (stop strings need that)."""
+    prompt = "Count: 1, 2, 3,"
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    for include in (False, True):
+        law = dict(temperature=0, max_tokens=30, stop=list(stop), include_stop_str_in_output=include)
+        out = llm.generate(prompt, SamplingParams(stop_token_ids=[first[1]], **law))[0].outputs[0]
+        assert out.token_ids == first[:2] and out.stop_reason == first[1]
+        assert out.text == llm.tokenizer.decode(first[:2] if include else first[:1])
+        chat = llm.chat([{"role": "user", "content": "Say hi"}], SamplingParams(  # the choice ends it with an EOS
+            skip_special_tokens=False, structured_outputs={"choice": ["hi"]}, **law))
+        out = chat[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] in llm.tokenizer.eos_token_ids
+        assert out.text == llm.tokenizer.decode(out.token_ids if include else out.token_ids[:-1],
+                                                skip_special_tokens=False)
+
+
 def test_min_tokens_holds_back_stop_tokens_and_strings(llm):
     """As in vLLM: before a sample has ``min_tokens`` tokens its stop tokens get no probability (so
     greedy takes the next likeliest token) and stop strings are not looked for; after, both stop."""
@@ -213,12 +234,13 @@ def test_eos_stops_a_chat_answer(llm):
     completion = out[0].outputs[0]
     assert completion.finish_reason == "stop"
     assert completion.token_ids[-1] in llm.tokenizer.eos_token_ids
-    # skip_special_tokens=False: the text keeps the end's own text, decoded at the end or as tokens arrive
+    # skip_special_tokens=False with include_stop_str_in_output: the text keeps the end's own text,
+    # decoded at the end or as tokens arrive (without it, vLLM leaves the stop token's text out)
     end = llm.tokenizer.decode(completion.token_ids[-1:], skip_special_tokens=False)
     assert end and not completion.text.endswith(end)
     for stop in (None, ["no such text"]):
-        kept = llm.chat([{"role": "user", "content": "Say hello."}],
-                        SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False, stop=stop))[0]
+        kept = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(
+            temperature=0, max_tokens=64, skip_special_tokens=False, stop=stop, include_stop_str_in_output=True))[0]
         assert kept.outputs[0].text == completion.text + end
 
 
