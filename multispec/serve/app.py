@@ -13,7 +13,7 @@ import itertools
 import secrets
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,6 +46,9 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20
     chat_template: str | None = None
     """``--chat-template``: used where a chat request gives none (None: the checkpoint's)."""
+    tool_parser: str | None = None
+    """``--enable-auto-tool-choice --tool-call-parser NAME``: how "auto" tool calls are read out of
+    the text (``multispec.serve.tools.TOOL_PARSERS``); None: "auto" is refused."""
     sampling_defaults: dict = field(default_factory=dict)
     """The model's generation config (``--generation-config``): fills the sampling fields a
     request leaves out."""
@@ -133,10 +136,13 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        tools = tool_mode(body, config.tool_parser)
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
+        if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
+            inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
-                         body.prompt_logprobs, tool_mode(body))
+                         body.prompt_logprobs, tools)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

@@ -8,6 +8,7 @@ import os
 import sys
 
 from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec, _text_or_file
+from multispec.serve.tools import TOOL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation_config.json, 'vllm' OpenAI's defaults, or a directory holding one")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                         help="a Jinja chat template for requests that give none (default: the checkpoint's)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer tool_choice 'auto' (the default with tools): the model's own tool calls are read "
+                             "out of its text with --tool-call-parser (as vLLM)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5 and "
+                             "Hermes models write them)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -53,6 +60,8 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ValueError(f"--max-tokens-limit={args.max_tokens_limit}: must be >= 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})")
     spec = _spec(args)
     chat_template = None if args.chat_template is None else _text_or_file("--chat-template", args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
@@ -69,7 +78,8 @@ def run(args) -> int:
     config = ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key or None,
                           limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit),
                           max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
-                          chat_template=chat_template, sampling_defaults=llm.generation_defaults)
+                          chat_template=chat_template, sampling_defaults=llm.generation_defaults,
+                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     app = build_app(AsyncLLM(llm), config)
     print(f"multispec: serving {config.served_model_name!r} ({model} on {llm.device}, "
           f"{str(llm.dtype).removeprefix('torch.')}, drafter {spec.drafter}) at http://{args.host}:{args.port}/v1",

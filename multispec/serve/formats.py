@@ -9,7 +9,6 @@ chunk choice, and a finished ``Choice`` (the deltas gathered) into a response ch
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
@@ -17,8 +16,9 @@ from pydantic import BaseModel
 from multispec.params import CompletionOutput, RequestOutput
 from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-                                     CompletionResponse, Delta, DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                     PromptLogprob, TokenLogprob, ToolCall, TopLogprob)
+                                     CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
+                                     TopLogprob)
+from multispec.serve.tools import TOOL_PARSERS, AutoToolStream, ForcedToolStream, ToolMode, call_id
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Choice:
     text_offset: int = 0
     echoed: bool = False
     prompt_logprobs: list | None = None
-    calls: ToolCallStream | None = None
-    """A streamed answer's tool calls so far (forced tool calls)."""
+    calls: ForcedToolStream | AutoToolStream | None = None
+    """A streamed answer's tool calls so far (where the request has a ``ToolMode``)."""
 
     def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
         self.text.append(delta.text)
@@ -138,9 +138,8 @@ class ChatFormat:
     id_prefix = "chatcmpl"
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
-                 prompt_logprobs: int | None = None, tool_mode: str | None = None):
-        """``tool_mode``: the answers are tool calls ("required": a JSON list of ``{"name",
-        "parameters"}``; else the name of the function whose arguments they are)."""
+                 prompt_logprobs: int | None = None, tool_mode: ToolMode | None = None):
+        """``tool_mode``: how the answers hold tool calls (``multispec.serve.tools``)."""
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
@@ -150,7 +149,10 @@ class ChatFormat:
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
         _keep_prompt_logprobs(self.prompt_logprobs, out, choice, self.token_text)
         if self.tool_mode is not None:
-            choice.calls = choice.calls or ToolCallStream(self.tool_mode)
+            if choice.calls is None:
+                mode = self.tool_mode
+                choice.calls = (AutoToolStream(TOOL_PARSERS[mode.parser]()) if mode.kind == "auto"
+                                else ForcedToolStream(mode))
             choice.calls.feed(delta.text)
         return delta, self.logprobs(delta, choice)
 
@@ -176,37 +178,51 @@ class ChatFormat:
 
     def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
               logprobs: BaseModel | None, choice: Choice) -> ChatCompletionChunk | None:
-        """The delta's chunk; with forced tool calls, the pieces of calls it completes instead of
-        its text (None where it completes none and finishes nothing)."""
+        """The delta's chunk; where the answer holds tool calls, the content and the pieces of
+        calls it completes (None where it completes nothing and finishes nothing)."""
+        finish = delta.finish_reason
         if choice.calls is None:
             shown = Delta(content=delta.text)
         else:
-            pieces = choice.calls.take()
-            if not pieces and delta.finish_reason is None:
+            if finish is not None:
+                choice.calls.finish()
+            content, pieces = choice.calls.take()
+            if not content and not pieces and finish is None:
                 return None
-            shown = Delta(tool_calls=pieces or None)
+            shown = Delta(content=content or None, tool_calls=pieces or None)
+            if finish is not None and self.tool_mode.kind == "auto" and choice.calls.sent:
+                finish = "tool_calls"
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[ChatChunkChoice(
-            index=index, delta=shown, logprobs=logprobs, finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason)])
+            index=index, delta=shown, logprobs=logprobs, finish_reason=finish, stop_reason=delta.stop_reason)])
 
     def tail(self, response_id: str, created: int, model: str, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], **extra)
 
     def response(self, response_id: str, created: int, model: str, choices: list[Choice],
                  **extra) -> ChatCompletionResponse:
+        messages = [self._message("".join(c.text)) for c in choices]
         return ChatCompletionResponse(id=response_id, created=created, model=model, choices=[
-            ChatChoice(index=i, message=self._message("".join(c.text)), logprobs=c.logprobs,
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
+            ChatChoice(index=i, message=message, logprobs=c.logprobs, stop_reason=c.stop_reason,
+                       finish_reason="tool_calls" if self.tool_mode is not None and self.tool_mode.kind == "auto"
+                       and message.tool_calls else c.finish_reason)
+            for i, (c, message) in enumerate(zip(choices, messages))],
             prompt_logprobs=choices[0].prompt_logprobs if choices else None, **extra)
 
     def _message(self, text: str) -> AssistantMessage:
-        """The answer as text, or as tool calls where the request forced them (as vLLM gives them:
-        a named function's arguments are the text; "required" parses the list, and a list cut
-        short by max_tokens stays text)."""
-        if self.tool_mode is None:
+        """The answer as text, or as tool calls, as vLLM gives them: a named function's arguments
+        are the text; "required" parses the list (a list cut short by max_tokens stays text);
+        "auto" reads the model's calls with the server's parser (the text before them is the
+        content; finish_reason "tool_calls")."""
+        mode = self.tool_mode
+        if mode is None:
             return AssistantMessage(content=text)
-        if self.tool_mode != "required":
-            return AssistantMessage(content="", tool_calls=[_tool_call(self.tool_mode, text)])
+        if mode.kind == "auto":
+            content, calls = TOOL_PARSERS[mode.parser]().parse(text)
+            if not calls:
+                return AssistantMessage(content=text)
+            return AssistantMessage(content=content, tool_calls=[_tool_call(*call) for call in calls])
+        if mode.kind == "named":
+            return AssistantMessage(content="", tool_calls=[_tool_call(mode.name, text)])
         try:
             calls = [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
                      for call in json.loads(text)]
@@ -216,73 +232,7 @@ class ChatFormat:
 
 
 def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=_tool_call_id(), function=FunctionCall(name=name, arguments=arguments))
-
-
-def _tool_call_id() -> str:
-    return f"chatcmpl-tool-{secrets.token_hex(16)}"
-
-
-class ToolCallStream:
-    """A streamed answer's forced tool calls, as the text arrives. A named function: the text is
-    its arguments, sent as it comes (the first piece with the call's id and name). "required": the
-    text is a JSON list of ``{"name", "parameters"}``, and each call is sent whole once its object
-    closes (a list cut short by max_tokens keeps the calls it completed)."""
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.pending: list[DeltaToolCall] = []
-        self.sent = 0
-        self.text = ""
-        self.depth = 0
-        self.in_string = self.escaped = False
-        self.start = 0
-
-    def feed(self, text: str) -> None:
-        if not text:
-            return
-        if self.mode != "required":
-            first = self.sent == 0
-            self.pending.append(DeltaToolCall(index=0, id=_tool_call_id() if first else None,
-                                              type="function" if first else None,
-                                              function=DeltaFunctionCall(name=self.mode if first else None,
-                                                                         arguments=text)))
-            self.sent = 1
-            return
-        offset = len(self.text)
-        self.text += text
-        for i, char in enumerate(text, offset):  # the list's depth-1 objects, strings skipped
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self.start = i
-            elif char in "]}":
-                self.depth -= 1
-                if self.depth == 1:
-                    self._complete(self.text[self.start:i + 1])
-
-    def _complete(self, text: str) -> None:
-        try:
-            call = json.loads(text)
-            name, arguments = call["name"], json.dumps(call["parameters"], ensure_ascii=False)
-        except (ValueError, TypeError, KeyError):
-            return
-        self.pending.append(DeltaToolCall(index=self.sent, id=_tool_call_id(), type="function",
-                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
-        self.sent += 1
-
-    def take(self) -> list[DeltaToolCall]:
-        pieces, self.pending = self.pending, []
-        return pieces
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 def _top(entry: dict[int, float], token: int, k: int | None) -> list[tuple[int, float]]:

@@ -16,6 +16,7 @@ from multispec.params import SamplingParams, SpecConfig, StructuredOutputsParams
 from multispec.serve.errors import from_value_error, invalid
 from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                      TokenizeRequest, unsupported)
+from multispec.serve.tools import ToolMode
 
 log = logging.getLogger("multispec.serve")
 
@@ -229,21 +230,30 @@ def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsPar
     raise invalid(name, f"response_format.type={kind!r}: must be 'text', 'json_object' or 'json_schema'")
 
 
-def tool_mode(request: ChatCompletionRequest) -> str | None:
-    """What the answer is: None (text), "required" (a JSON list of calls) or the name of the one
-    function it calls (``tool_choice`` named)."""
-    choice = request.tool_choice
+def tool_mode(request: ChatCompletionRequest, parser: str | None = None) -> ToolMode | None:
+    """How the answer holds tool calls: None (text: no tools, or tool_choice "none"), a named
+    function's arguments, "required"'s list, or "auto": the model's own format, read with the
+    server's ``--tool-call-parser`` (without one, "auto" is refused, as in vLLM)."""
+    tools = request.tools or []
+    choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
     if choice == "required":
-        return "required"
+        return ToolMode("required")
     if isinstance(choice, dict):
-        return (choice.get("function") or {}).get("name")
+        return ToolMode("named", (choice.get("function") or {}).get("name"))
+    if choice == "auto" and tools:
+        if parser is None:
+            raise invalid("tool_choice", "tool_choice='auto' (the default with tools) reads the model's own tool-call "
+                                         "format, which needs the server started with --enable-auto-tool-choice "
+                                         "--tool-call-parser NAME (as vLLM); or give tool_choice='required', a named "
+                                         "function {'type': 'function', 'function': {'name': ...}}, or 'none'")
+        return ToolMode("auto", parser=parser)
     return None
 
 
 def tool_constraint(request: ChatCompletionRequest) -> dict | None:
     """The constraint ``tools`` and ``tool_choice`` put on the answer, as vLLM builds it: a named
     function's arguments follow its parameter schema; "required" is a non-empty JSON list of
-    ``{"name", "parameters"}``, each as one of the functions declares; None for "none"."""
+    ``{"name", "parameters"}``, each as one of the functions declares; None for "none" and "auto"."""
     tools = request.tools or []
     choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -253,16 +263,14 @@ def tool_constraint(request: ChatCompletionRequest) -> dict | None:
         raise invalid("tools", "tools: each function needs a name, and the names must differ")
     if choice == "none":
         return None
-    if choice == "auto":
-        raise invalid("tool_choice", "tool_choice='auto' (the default with tools) needs the model's own tool-call "
-                                     "format parsed, which this server does not do: give tool_choice='required', a "
-                                     "named function {'type': 'function', 'function': {'name': ...}}, or 'none'")
+    if choice == "auto":  # unconstrained: the calls are read out of the text (``tool_mode``)
+        return None
     if choice == "required":
         return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                               "parameters": tool.function.parameters or {"type": "object"}},
              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]}}}
-    name = tool_mode(request)
+    name = tool_mode(request).name
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise invalid("tool_choice", f"tool_choice={choice!r:.80}: must be 'none', 'required' or "
                                      f"{{'type': 'function', 'function': {{'name': ...}}}}")

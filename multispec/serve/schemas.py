@@ -261,7 +261,7 @@ class ToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     tool_calls: list[ToolCall] | None = _omit_none()
 
 

@@ -90,7 +90,8 @@ def server(successor_dir, tmp_path_factory):
     command = [sys.executable, "-m", "multispec.cli", "serve", str(successor_dir), "--port", str(port),
                "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "0.25", "--served-model-name", "tiny",
                "--max-n", str(MAX_N), "--max-tokens-limit", str(MAX_TOKENS),
-               "--max-request-bytes", str(MAX_REQUEST_BYTES), "--log-level", "warning"]
+               "--max-request-bytes", str(MAX_REQUEST_BYTES), "--enable-auto-tool-choice", "--tool-call-parser",
+               "hermes", "--log-level", "warning"]
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=stderr, stderr=subprocess.STDOUT, env=env)
     running = Server(f"http://127.0.0.1:{port}", "tiny", process)

@@ -95,6 +95,18 @@ def test_full_queue_is_503_and_a_client_that_leaves_aborts_its_request(held):
     assert [len(c.text) > 0 for c in out.choices] == [True] * 4 and out.usage.completion_tokens == 400
 
 
+def test_auto_tool_choice_needs_a_parser(held):
+    """Without --enable-auto-tool-choice and --tool-call-parser (this server has neither), tools
+    with tool_choice "auto" (the default with tools) are refused with 400 naming tool_choice and
+    the flags, as vLLM refuses them."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as caught:
+            held.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2, tools=[tool], **extra)
+        assert caught.value.body["param"] == "tool_choice"
+
+
 class ExplodingDrafter(ConsensusDrafter):
     def propose(self, *args, **kwargs):
         raise RuntimeError("the drafter broke")

@@ -288,7 +288,7 @@ def test_forced_tool_calls_through_the_official_client(client, tiny):
     """A named function (what libraries that extract data with function calling send) and
     "required": the answers are tool calls whose arguments follow the functions' schemas, as vLLM
     gives them (content "", finish_reason "stop"); the named call's arguments are LLM.chat's text
-    under that schema. "auto" is refused: it needs the model's own tool-call format."""
+    under that schema."""
     settings = dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=5, max_tokens=60)
     named = client.chat.completions.create(tools=[ANIMAL_TOOL, COUNT_TOOL], **settings,
                                            tool_choice={"type": "function", "function": {"name": "record"}})
@@ -308,8 +308,48 @@ def test_forced_tool_calls_through_the_official_client(client, tiny):
         for call in choice.message.tool_calls:
             arguments = json.loads(call.function.arguments)
             assert (call.function.name, set(arguments)) in (("record", {"animal"}), ("count", {"n"}))
-    with pytest.raises(openai.BadRequestError, match="tool_choice='auto'"):
-        client.chat.completions.create(tools=[ANIMAL_TOOL], **settings)
+
+
+HERMES_CALL = r'Checking\.<tool_call>\{"name": "record", "arguments": \{"animal": "(fox|dog)"\}\}</tool_call>'
+
+
+@pytest.mark.parametrize("answer", [HERMES_CALL, r"No call (needed|today)\."], ids=["call", "text"])
+def test_auto_tool_calls_read_with_the_hermes_parser(client, tiny, answer):
+    """tool_choice "auto" on a server started with --enable-auto-tool-choice --tool-call-parser
+    hermes: the model's own <tool_call> blocks (here a regex makes the tiny model write one, or
+    none) are read out of its text into message.tool_calls, the text before them is the content and
+    finish_reason is "tool_calls"; an answer without calls stays text. Streamed, the content and
+    the calls joined are the same. The sampled text is LLM.chat's under the same regex (reading
+    it changes nothing drawn)."""
+    settings = dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=3, max_tokens=120, tools=[ANIMAL_TOOL],
+                    extra_body={"structured_outputs": {"regex": answer}})
+    whole = client.chat.completions.create(**settings)
+    want = tiny.chat(CHAT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120, skip_special_tokens=False,
+                                          structured_outputs={"regex": answer}), use_tqdm=False)[0].outputs
+    for choice, expected in zip(whole.choices, want):
+        assert expected.finish_reason == "stop"
+        if answer == HERMES_CALL:
+            (call,) = choice.message.tool_calls
+            assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+            assert call.function.name == "record" and call.id.startswith("chatcmpl-tool-")
+            assert expected.text.endswith(call.function.arguments + "}</tool_call>")
+        else:
+            assert choice.message.content == expected.text and not choice.message.tool_calls
+            assert choice.finish_reason == "stop"
+    content: dict[int, str] = {}
+    calls: dict[int, list] = {}
+    finishes = {}
+    for chunk in client.chat.completions.create(stream=True, **settings):
+        for choice in chunk.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            calls.setdefault(choice.index, []).extend(
+                (piece.function.name, piece.function.arguments) for piece in choice.delta.tool_calls or [])
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    for choice in whole.choices:
+        assert content[choice.index] == (choice.message.content or "")
+        assert calls[choice.index] == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert finishes[choice.index] == choice.finish_reason
 
 
 def test_forced_tool_calls_streamed(client):

@@ -17,9 +17,11 @@ def test_model_is_positional_or_by_flag_with_consensus_by_default():
 def test_conflicting_models_and_bad_limits_are_one_line_errors(capsys):
     assert main(["serve", "a", "--model", "b"]) == 2
     assert main(["serve", "--max-n", "0"]) == 2
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["multispec: error: the model is named twice: 'a' and --model 'b'",
-                     "multispec: error: --max-n=0: must be >= 1"]
+                     "multispec: error: --max-n=0: must be >= 1",
+                     "multispec: error: --enable-auto-tool-choice needs --tool-call-parser (hermes)"]
 
 
 def test_a_chat_template_that_does_not_render_is_refused_before_serving(successor_dir, capsys):

@@ -1,0 +1,208 @@
+"""Tool calls in a chat answer: what the request asks for (``ToolMode``), and the calls read out
+of the text, whole or as it streams.
+
+Forced calls ("required", a named function) are constrained text (``sampling.tool_constraint``);
+"auto" leaves the model free and reads its own tool-call format out of the answer with a parser
+the server is started with (``multispec serve --enable-auto-tool-choice --tool-call-parser NAME``,
+vLLM's flags). Reading never changes what is sampled, so every mode is exact under speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from multispec.serve.schemas import DeltaFunctionCall, DeltaToolCall
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a chat answer holds tool calls: ``named`` (the text is the arguments of ``name``),
+    ``required`` (a JSON list of ``{"name", "parameters"}``) or ``auto`` (the model's own format,
+    read by ``parser``)."""
+
+    kind: Literal["named", "required", "auto"]
+    name: str | None = None
+    parser: str | None = None
+
+
+def call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+class ForcedToolStream:
+    """A streamed answer's forced tool calls, as the text arrives. A named function: the text is
+    its arguments, sent as it comes (the first piece with the call's id and name). "required": the
+    text is a JSON list of ``{"name", "parameters"}``, and each call is sent whole once its object
+    closes (a list cut short by max_tokens keeps the calls it completed)."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.pending: list[DeltaToolCall] = []
+        self.sent = 0
+        self.text = ""
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.start = 0
+
+    def feed(self, text: str) -> None:
+        if not text:
+            return
+        if self.mode.kind == "named":
+            first = self.sent == 0
+            self.pending.append(DeltaToolCall(index=0, id=call_id() if first else None,
+                                              type="function" if first else None,
+                                              function=DeltaFunctionCall(name=self.mode.name if first else None,
+                                                                         arguments=text)))
+            self.sent = 1
+            return
+        offset = len(self.text)
+        self.text += text
+        for i, char in enumerate(text, offset):  # the list's depth-1 objects, strings skipped
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.start = i
+            elif char in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    self._complete(self.text[self.start:i + 1])
+
+    def _complete(self, text: str) -> None:
+        try:
+            call = json.loads(text)
+            name, arguments = call["name"], json.dumps(call["parameters"], ensure_ascii=False)
+        except (ValueError, TypeError, KeyError):
+            return
+        self.pending.append(DeltaToolCall(index=self.sent, id=call_id(), type="function",
+                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
+        self.sent += 1
+
+    def finish(self) -> None:
+        pass
+
+    def take(self) -> tuple[str, list[DeltaToolCall]]:
+        """No content (the whole text is calls), and the pieces of calls since the last take."""
+        pieces, self.pending = self.pending, []
+        return "", pieces
+
+
+class HermesParser:
+    """The Hermes format (Qwen2.5, Hermes 2/3 and others): each call is a JSON object
+    ``{"name", "arguments"}`` between ``<tool_call>`` and ``</tool_call>``; the text before the
+    first call is the content. As vLLM's ``hermes`` parser reads it: the last call may be left
+    unclosed at the end, and a call that does not parse leaves the whole answer as content."""
+
+    start, end = "<tool_call>", "</tool_call>"
+    _blocks = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, [(name, arguments as JSON text)]); no calls: (text, [])."""
+        if self.start not in text:
+            return text, []
+        calls = []
+        for closed, open_ in self._blocks.findall(text):
+            call = self.call(closed or open_)
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:text.index(self.start)]
+        return content or None, calls
+
+    @staticmethod
+    def call(block: str) -> tuple[str, str] | None:
+        try:
+            call = json.loads(block)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        if not isinstance(name, str):
+            return None
+        return name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+TOOL_PARSERS = {"hermes": HermesParser}
+"""``--tool-call-parser`` names."""
+
+
+class AutoToolStream:
+    """A streamed "auto" answer read as it arrives: its content (the text before the first call) is
+    released as it comes, except a tail that could be the start of a call's opening tag; each
+    call is sent whole once its closing tag arrives (or the answer ends inside it). A call that
+    does not parse is released as text (whole, such an answer is all text: a stream cannot take
+    back the calls it sent before)."""
+
+    def __init__(self, parser: HermesParser):
+        self.parser = parser
+        self.buffer = ""
+        self.at = 0  # how much of the buffer is released or sent
+        self.inside = self.called = False
+        self.content: list[str] = []
+        self.pending: list[DeltaToolCall] = []
+        self.sent = 0
+
+    def feed(self, text: str) -> None:
+        self.buffer += text
+        start, end = self.parser.start, self.parser.end
+        while True:
+            if not self.inside:
+                found = self.buffer.find(start, self.at)
+                if found < 0:
+                    self._release(len(self.buffer) - _partial(self.buffer, start, self.at))
+                    return
+                self._release(found)
+                self.at, self.inside, self.called = found + len(start), True, True
+            found = self.buffer.find(end, self.at)
+            if found < 0:
+                return
+            self._call(self.at - len(start), self.buffer[self.at:found], found + len(end))
+
+    def finish(self) -> None:
+        """The answer ended: an open call is read as it stands, a held-back tail released."""
+        if self.inside:
+            self._call(self.at - len(self.parser.start), self.buffer[self.at:], len(self.buffer))
+        self._release(len(self.buffer))
+
+    def _call(self, opened: int, block: str, after: int) -> None:
+        call = self.parser.call(block)
+        if call is None:
+            self.content.append(self.buffer[opened:after])
+        else:
+            self.pending.append(DeltaToolCall(index=self.sent, id=call_id(), type="function",
+                                              function=DeltaFunctionCall(name=call[0], arguments=call[1])))
+            self.sent += 1
+        self.at, self.inside = after, False
+
+    def _release(self, upto: int) -> None:
+        """Text up to ``upto`` is content; once a call has begun, text between calls is not (as
+        in the whole answer, whose content is the text before the first call)."""
+        if upto > self.at:
+            if not self.called:
+                self.content.append(self.buffer[self.at:upto])
+            self.at = upto
+
+    def take(self) -> tuple[str, list[DeltaToolCall]]:
+        """The content released and the calls completed since the last take."""
+        text, calls = "".join(self.content), self.pending
+        self.content, self.pending = [], []
+        return text, calls
+
+
+def _partial(text: str, tag: str, start: int) -> int:
+    """The length of the longest tail of ``text[start:]`` that ``tag`` begins with (held back)."""
+    for size in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[len(text) - size:]):
+            return size
+    return 0
