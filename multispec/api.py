@@ -199,16 +199,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, spec=None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate.
 
         A conversation is a list of ``{"role": ..., "content": ...}`` dicts. As in vLLM:
         ``chat_template`` replaces the checkpoint's template, ``add_generation_prompt`` opens the
         assistant's turn, ``continue_final_message`` (with ``add_generation_prompt=False``) lets
         the model go on writing the last message, and ``chat_template_kwargs`` are more variables
-        for the template (``{"enable_thinking": False}`` where a template reads it)."""
+        for the template (``{"enable_thinking": False}`` where a template reads it), and ``tools``
+        (OpenAI's function definitions) are rendered by templates that render them."""
         conversations = _conversations(messages)
-        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                               tools)
         prompts = [self.tokenizer.apply_chat_template(c, **options) for c in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(token_ids, sampling_params, spec, use_tqdm)
@@ -275,8 +278,12 @@ def _check_spec(spec) -> None:
         raise ValueError(f"spec={spec!r}: must be a SpecConfig (for example SpecConfig(drafter='consensus')) or None")
 
 
-def chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs) -> dict:
+def chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                 tools=None) -> dict:
     """The chat call's template options, checked, as ``Tokenizer.apply_chat_template`` takes them."""
+    if tools is not None and (not isinstance(tools, Sequence) or isinstance(tools, str)
+                              or not all(isinstance(tool, Mapping) for tool in tools)):
+        raise ValueError(f"tools={tools!r:.80}: must be a list of function definitions (dicts) or None")
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
         raise ValueError(f"chat_template={chat_template!r:.80}: must be a non-empty Jinja template or None")
     for name, value in (("add_generation_prompt", add_generation_prompt),
@@ -290,7 +297,8 @@ def chat_options(chat_template, add_generation_prompt, continue_final_message, c
         raise ValueError("continue_final_message=True needs add_generation_prompt=False: the first continues the "
                          "last message, the second starts a new one")
     return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-            "chat_template": chat_template, "template_kwargs": dict(chat_template_kwargs or {})}
+            "chat_template": chat_template, "template_kwargs": dict(chat_template_kwargs or {}),
+            "tools": [dict(tool) for tool in tools] if tools else None}
 
 
 def _conversations(messages) -> list[list[dict]]:

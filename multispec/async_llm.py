@@ -68,11 +68,13 @@ class AsyncLLM:
                    request_id: str | None = None, spec: SpecConfig | None = None,
                    output_kind: RequestOutputKind = RequestOutputKind.DELTA, *, chat_template: str | None = None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   chat_template_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+                   chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+                   ) -> AsyncIterator[RequestOutput]:
         """``generate`` for one conversation, rendered with the checkpoint's chat template (the
-        template options as ``LLM.chat`` takes them)."""
+        template options and ``tools`` as ``LLM.chat`` takes them)."""
         (conversation,) = _conversations(messages)
-        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        options = chat_options(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                               tools)
         text = self.tokenizer.apply_chat_template(conversation, **options)
         async for out in self._stream(text, self.tokenizer.encode(text, add_special_tokens=False), sampling_params,
                                       request_id, spec, output_kind):

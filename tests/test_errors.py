@@ -321,6 +321,7 @@ CHAT_OPTIONS_BAD = [
     ({"continue_final_message": True}, "continue_final_message=True needs add_generation_prompt=False"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs=[1]"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs: 'messages' is set by the chat call itself"),
+    ({"tools": "f"}, "tools='f'"), ({"tools": [1]}, "tools=[1]"),
     ({"continue_final_message": True, "add_generation_prompt": False, "chat_template": "{{ 'fixed' }}"},
      "continue_final_message: the last message's content does not appear in the rendered chat"),
 ]
@@ -349,6 +350,10 @@ def test_chat_template_options_shape_the_prompt(tiny):
     continued = tiny.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The lazy"}], params,
                           add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
     assert continued.prompt.endswith("The lazy")
+    tool = {"type": "function", "function": {"name": "record", "parameters": {"type": "object"}}}
+    listed = "{% for t in tools %}<{{ t.function.name }}>{% endfor %}{{ messages[0].content }}"
+    out = tiny.chat([{"role": "user", "content": "hi"}], params, chat_template=listed, tools=[tool], use_tqdm=False)[0]
+    assert out.prompt == "<record>hi"
 
 
 CLI_BAD = [

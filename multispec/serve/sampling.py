@@ -82,16 +82,15 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
         extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
         conversation.append({"role": message.role, "content": content or "", "name": message.name, **extra})
     try:
+        tools = getattr(request, "tools", None)
         options = chat_options(chat_template if request.chat_template is None else request.chat_template,
                                True if request.add_generation_prompt is None else request.add_generation_prompt,
-                               bool(request.continue_final_message), request.chat_template_kwargs)
+                               bool(request.continue_final_message), request.chat_template_kwargs,
+                               [tool.model_dump(exclude_none=True) for tool in tools] if tools else None)
     except ValueError as error:
         field = next((name for name in ("chat_template_kwargs", "chat_template", "add_generation_prompt")
                       if str(error).startswith(name)), "continue_final_message")
         raise invalid(field, str(error)) from None
-    tools = getattr(request, "tools", None)
-    if tools:
-        options["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
     try:
         text = tokenizer.apply_chat_template(conversation, **options)
     except ValueError as error:
