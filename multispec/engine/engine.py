@@ -444,17 +444,28 @@ class LLMEngine:
         token but the last. The head runs on 256 rows at a time."""
         out: list = [None]
         ranks: list = [None]
+        from multispec import kernels
+
+        kernel = kernels.token_logprobs() if self.device.type == "cpu" else None
         for begin in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
-            logprobs = torch.log_softmax(self.model.logits(hidden[begin:begin + PROMPT_LOGPROB_ROWS]), -1)
-            following = ids[begin + 1:begin + 1 + len(logprobs)]
-            chosen_rows = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])
-            ranks += ((logprobs > chosen_rows).sum(-1) + 1).tolist()
-            chosen = chosen_rows[:, 0].tolist()
-            best = logprobs.topk(top, -1) if top else None
+            rows = hidden[begin:begin + PROMPT_LOGPROB_ROWS]
+            following = ids[begin + 1:begin + 1 + len(rows)]
+            if kernel is not None:  # one pass a row, no log-softmax written out
+                chosen_rows, rank, best_values, best_indices = kernel(
+                    self.model.logits(rows, float32=False).contiguous(), torch.tensor(following), top)
+                chosen, best_values, best_indices = chosen_rows.tolist(), best_values.tolist(), best_indices.tolist()
+                ranks += rank.tolist()
+            else:
+                logprobs = torch.log_softmax(self.model.logits(rows), -1)
+                chosen_rows = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])
+                ranks += ((logprobs > chosen_rows).sum(-1) + 1).tolist()
+                chosen = chosen_rows[:, 0].tolist()
+                best = logprobs.topk(top, -1) if top else None
+                best_indices, best_values = (best.indices.tolist(), best.values.tolist()) if top else ([], [])
             for i, token in enumerate(following):
                 entry = {token: chosen[i]}
-                if best is not None:
-                    entry.update(zip(best.indices[i].tolist(), best.values[i].tolist()))
+                if top:
+                    entry.update(zip(best_indices[i], best_values[i]))
                     entry[token] = chosen[i]
                 out.append(entry)
         return out, ranks

@@ -137,6 +137,12 @@ def mask_rows():
     return _op("mask_rows")
 
 
+def token_logprobs():
+    """``torch.ops.multispec.token_logprobs`` (each row's following token's log-probability and
+    rank, and the k likeliest, see ``sampling.cpp``), or None as above."""
+    return _op("token_logprobs")
+
+
 def stream_available() -> bool:
     """Whether bf16 products can stream their weights through ``stream_linear`` here (see
     ``stream_kind``)."""

@@ -528,6 +528,74 @@ std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& probs, const at::T
   return {values, tokens};
 }
 
+// The prompt's log-probabilities (``prompt_logprobs``): for each row of logits [R, V] (float32 or
+// bfloat16) and the token that follows it, the token's log-probability under the raw logits, its
+// rank (1 + the tokens strictly likelier) and, for k > 0, the k likeliest tokens with their
+// log-probabilities (top_row's order: descending, ties to the lower index). One pass widens the row
+// and takes its maximum, one sums the exponentials while counting the likelier tokens; torch's path
+// wrote the whole log-softmax out and counted through a boolean matrix (its count alone took 40 ms
+// for 256 rows of 49k here). Returns (chosen [R], rank [R] int64, values [R, k], tokens [R, k]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits,
+                                                                           const at::Tensor& following, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous CPU [rows, vocabulary]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "token_logprobs takes float32 or bfloat16 logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(following.scalar_type() == at::kLong && following.dim() == 1 && following.size(0) == rows &&
+                  following.is_contiguous(),
+              "following must be a contiguous int64 vector with one token per row");
+  TORCH_CHECK(k >= 0 && k <= vocab, "k must be in [0, vocabulary], got ", k);
+  const int64_t* fp = following.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(fp[r] >= 0 && fp[r] < vocab, "token ", fp[r], " is outside the vocabulary of ", vocab);
+  const auto options = logits.options().dtype(at::kFloat);
+  auto chosen = at::empty({rows}, options);
+  auto rank = at::empty({rows}, options.dtype(at::kLong));
+  auto values = at::empty({rows, k}, options);
+  auto tokens = at::empty({rows, k}, options.dtype(at::kLong));
+  float* cp = chosen.data_ptr<float>();
+  int64_t* rp = rank.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  auto run = [&](auto element) {
+    using scalar_t = decltype(element);
+    const scalar_t* in = logits.data_ptr<scalar_t>();
+    multispec_kernels::balanced_for(rows, [&](int64_t part, multispec_kernels::Shares& shares) {
+      std::vector<float> x(vocab);
+      for (int64_t r; (r = shares.next(part)) >= 0;) {
+        const scalar_t* row = in + r * vocab;
+        float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < vocab; ++i) {
+          x[i] = widen(row[i]);
+          top = x[i] > top ? x[i] : top;
+        }
+        const float c = x[fp[r]];
+        float raw = 0.0f;
+        int64_t likelier = 0;
+#pragma omp simd reduction(+ : raw, likelier)
+        for (int64_t i = 0; i < vocab; ++i) {
+          raw += exp_nonpositive(x[i] - top);
+          likelier += x[i] > c ? 1 : 0;
+        }
+        const float lse = top + std::log(raw);
+        cp[r] = c - lse;
+        rp[r] = likelier + 1;
+        if (k > 0) {
+          top_row(x.data(), vocab, k, vp + r * k, tp + r * k);
+          for (int64_t j = 0; j < k; ++j) vp[r * k + j] -= lse;
+        }
+      }
+    });
+  };
+  if (logits.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(c10::BFloat16{});
+  return {chosen, rank, values, tokens};
+}
+
 // Tokens a grammar forbids get no probability: for row i of `bits` (one bit per token, 32 to an int32
 // word, token w * 32 + b at bit b of word w, a set bit allowed), every token of logits row rows[i]
 // whose bit is clear becomes -inf, in place. Words with every bit set (most of them inside a string
@@ -576,6 +644,8 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor top, Tensor prob, Tensor empty, Tensor values, Tensor tokens)");
   m.def("top_rows(Tensor probs, Tensor rows, int k) -> (Tensor values, Tensor tokens)");
   m.def("mask_rows(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
+  m.def("token_logprobs(Tensor logits, Tensor following, int k) -> (Tensor chosen, Tensor rank, Tensor values, "
+        "Tensor tokens)");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) {
@@ -585,4 +655,5 @@ TORCH_LIBRARY_IMPL(multispec, CPU, m) {
   m.impl("softmax_draw", &softmax_draw);
   m.impl("top_rows", &top_rows);
   m.impl("mask_rows", &mask_rows);
+  m.impl("token_logprobs", &token_logprobs);
 }

@@ -57,11 +57,15 @@ def test_cumulative_logprob_is_the_models_sequence_logprob(llm, hf_model):
             completion.cumulative_logprob, abs=1e-4)
 
 
-def test_prompt_logprobs_are_the_models(llm, hf_model, monkeypatch):
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_prompt_logprobs_are_the_models(llm, hf_model, monkeypatch, path):
     """Each prompt token's log-probability given the tokens before it, with the top 3, against
     transformers on the same weights; the first token has none. Two prompts in one prefill, the
-    head run on 4 rows at a time so that the chunks' seams are crossed."""
+    head run on 4 rows at a time so that the chunks' seams are crossed; through the compiled
+    kernel (where built) and through torch's operators (a GPU's path)."""
     monkeypatch.setattr("multispec.engine.engine.PROMPT_LOGPROB_ROWS", 4)
+    if path == "torch":
+        monkeypatch.setattr("multispec.kernels.token_logprobs", lambda: None)
     prompts = ["The quick brown fox jumps over the lazy dog", "Once upon a time"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
     for prompt, out in zip(prompts, outs):

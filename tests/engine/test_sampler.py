@@ -199,6 +199,33 @@ def test_compiled_top_rows_ranks_like_torch_with_ties_to_the_lower_index():
         op(tied, torch.tensor([0]), 301)
 
 
+@pytest.mark.skipif(not COMPILED_SOFTMAX, reason="the compiled kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_prompt_logprobs_match_torchs_log_softmax(dtype):
+    """The prompt's log-probabilities from one pass a row: each following token's log-probability
+    (as torch's log-softmax of the raw logits, to float rounding), its rank (1 + the strictly
+    likelier tokens, exact; ties share the better rank, which bf16 logits make common) and the k
+    likeliest with theirs (torch's top-k on rows without ties at the k-th)."""
+    op = kernels.token_logprobs()
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 49152, generator=gen) * 4).to(dtype)
+    following = torch.tensor([0, 49151, 17, 17, 300, 9])
+    logits[2, 17] = logits[2].max() + 1  # the likeliest token (rank 1)
+    logits[3, 17] = logits[3, 18]  # tied with another token
+    reference = torch.log_softmax(logits.float(), -1)
+    want = reference.gather(1, following[:, None])[:, 0]
+    want_rank = (reference > want[:, None]).sum(-1) + 1
+    for k in (0, 1, 5):
+        chosen, rank, values, tokens = op(logits.contiguous(), following, k)
+        assert torch.allclose(chosen, want, atol=1e-5, rtol=0) and torch.equal(rank, want_rank)
+        assert rank[2] == 1 and values.shape == tokens.shape == (6, k)
+        if k:
+            top_values, top_tokens = reference.topk(k, -1)
+            assert torch.equal(tokens, top_tokens) and torch.allclose(values, top_values, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        op(logits.contiguous(), torch.tensor([0, 1, 2, 3, 4, 49152]), 1)
+
+
 def test_grammar_bitmasks_clear_exactly_their_tokens_on_either_path(monkeypatch):
     """A grammar's bitmask on some rows of the logits: token w * 32 + b at bit b of word w, a
     clear bit -inf, the other rows untouched. The compiled ``mask_rows`` (where it runs) and
