@@ -4,8 +4,9 @@ Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat,
 model's template, with the template's options ``CHAT_OPTIONS``), optionally sampling fields
 overriding the command line's (``OVERRIDES``, and a constraint on the text in any of the server's
 spellings), and any ``id``; keys that would change the output in a way the engine does not offer
-(the server's ``UNSUPPORTED``: beam search, tools, ...) or that a line cannot carry
-(``NOT_IN_LINES``) are refused unless they ask for nothing, and other keys are ignored. Each output line, in input order, holds the request's
+(the server's ``UNSUPPORTED``: beam search, ...) or that a line cannot carry (``NOT_IN_LINES``:
+prompt log-probabilities, streaming, tools) are refused unless they ask for nothing, and other keys
+are ignored. Each output line, in input order, holds the request's
 ``index`` (its line among the requests, from 0), its ``id`` when it had one, the completions
 (text, token count, finish reason) and the token usage. The whole file is checked before any
 model is loaded: a bad line is named, with one line on stderr and exit status 2.
@@ -36,8 +37,10 @@ OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "
 """Sampling fields a request may set for itself."""
 CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 """The chat template's options a ``messages`` line may set (as the server's chat requests do)."""
-NOT_IN_LINES = {"prompt_logprobs": "output lines hold no log-probabilities", "stream": "output lines are written whole"}
-"""Fields the server takes that a batch line cannot: each with why."""
+NOT_IN_LINES = {"prompt_logprobs": "output lines hold no log-probabilities", "stream": "output lines are written whole",
+                "tools": "output lines hold text, not tool calls", "tool_choice": "output lines hold text, not tool calls"}
+"""Fields the server takes that a batch line cannot: each with why (refused unless they ask for
+nothing: absent, null, false, an empty list or tool_choice "none")."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +100,8 @@ def _request(line: str, index: int, params: SamplingParams, spec: SpecConfig) ->
         raise ValueError(f"expected a JSON object, got {type(fields).__name__}")
     if ("prompt" in fields) == ("messages" in fields):
         raise ValueError("needs 'prompt' (text) or 'messages' (a chat), exactly one of them")
-    name = unsupported(fields) or next((k for k in NOT_IN_LINES if fields.get(k) not in (None, False)), None)
+    name = unsupported(fields) or next((k for k in NOT_IN_LINES if fields.get(k) not in (None, False, [], "none")),
+                                       None)
     if name is not None:
         why = NOT_IN_LINES.get(name, "not supported")
         raise ValueError(f"{name}={fields[name]!r}: {why}")
