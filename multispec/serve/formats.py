@@ -179,7 +179,8 @@ class ChatFormat:
     def chunk(self, response_id: str, created: int, model: str, index: int, delta: CompletionOutput,
               logprobs: BaseModel | None, choice: Choice) -> ChatCompletionChunk | None:
         """The delta's chunk; where the answer holds tool calls, the content and the pieces of
-        calls it completes (None where it completes nothing and finishes nothing)."""
+        calls it completes (None where it completes nothing, finishes nothing and carries no
+        log-probabilities)."""
         finish = delta.finish_reason
         if choice.calls is None:
             shown = Delta(content=delta.text)
@@ -187,7 +188,7 @@ class ChatFormat:
             if finish is not None:
                 choice.calls.finish()
             content, pieces = choice.calls.take()
-            if not content and not pieces and finish is None:
+            if not content and not pieces and finish is None and logprobs is None:
                 return None
             shown = Delta(content=content or None, tool_calls=pieces or None)
             if finish is not None and self.tool_mode.kind == "auto" and choice.calls.sent:

@@ -356,17 +356,19 @@ def test_forced_tool_calls_streamed(client):
     """Streamed, forced tool calls arrive as delta.tool_calls: a named function's arguments piece by
     piece (the first piece with the call's id, type and name), "required"'s calls each whole once
     its object closes; no content. Joined, they are the calls the same seeded request answers
-    unstreamed."""
+    unstreamed, and every token's log-probability is streamed."""
     settings = dict(model="tiny", messages=CHAT, n=4, temperature=1.0, seed=5, max_tokens=120,
-                    tools=[ANIMAL_TOOL, COUNT_TOOL])
+                    tools=[ANIMAL_TOOL, COUNT_TOOL], logprobs=True, top_logprobs=1)
     for tool_choice in ({"type": "function", "function": {"name": "record"}}, "required"):
         whole = client.chat.completions.create(tool_choice=tool_choice, **settings)
         calls: dict[int, dict[int, list]] = {}
         finishes = {}
         pieces = 0
+        logprobs: dict[int, list] = {}
         for chunk in client.chat.completions.create(tool_choice=tool_choice, stream=True, **settings):
             for choice in chunk.choices:
                 assert not choice.delta.content
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content if choice.logprobs else [])
                 for piece in choice.delta.tool_calls or []:
                     pieces += 1
                     held = calls.setdefault(choice.index, {})
@@ -379,7 +381,8 @@ def test_forced_tool_calls_streamed(client):
                 if choice.finish_reason is not None:
                     finishes[choice.index] = choice.finish_reason
         assert finishes == {c.index: c.finish_reason for c in whole.choices}
-        for choice in whole.choices:
+        for choice in whole.choices:  # every token's log-probability streamed, those of held-back text too
+            assert [e.token for e in logprobs[choice.index]] == [e.token for e in choice.logprobs.content]
             if choice.message.tool_calls:
                 want = [[call.function.name, call.function.arguments] for call in choice.message.tool_calls]
                 assert [calls[choice.index][i] for i in sorted(calls[choice.index])] == want
