@@ -38,7 +38,8 @@ OVERRIDES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "
 CHAT_OPTIONS = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 """The chat template's options a ``messages`` line may set (as the server's chat requests do)."""
 NOT_IN_LINES = {"prompt_logprobs": "output lines hold no log-probabilities", "stream": "output lines are written whole",
-                "tools": "output lines hold text, not tool calls", "tool_choice": "output lines hold text, not tool calls"}
+                "tools": "output lines hold text, not tool calls",
+                "tool_choice": "output lines hold text, not tool calls"}
 """Fields the server takes that a batch line cannot: each with why (refused unless they ask for
 nothing: absent, null, false, an empty list or tool_choice "none")."""
 
