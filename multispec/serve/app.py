@@ -27,7 +27,8 @@ from multispec.serve.formats import ChatFormat, CompletionFormat
 from multispec.serve.generation import Generation, Run, Traffic
 from multispec.serve.guard import Guard
 from multispec.serve.metrics import Metrics
-from multispec.serve.sampling import Limits, chat_inputs, chat_prompt, completion_inputs, tool_mode
+from multispec.serve.sampling import (Limits, chat_inputs, chat_prompt, completion_inputs, structured_outputs,
+                                      tool_mode)
 from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 
@@ -46,6 +47,9 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20
     chat_template: str | None = None
     """``--chat-template``: used where a chat request gives none (None: the checkpoint's)."""
+    reasoning_parser: str | None = None
+    """``--reasoning-parser NAME``: how a reasoning model's thinking is split from its answer in chat
+    responses (``multispec.serve.tools.REASONING_PARSERS``); None: not split."""
     tool_parser: str | None = None
     """``--enable-auto-tool-choice --tool-call-parser NAME``: how "auto" tool calls are read out of
     the text (``multispec.serve.tools.TOOL_PARSERS``); None: "auto" is refused."""
@@ -139,10 +143,14 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         tools = tool_mode(body, config.tool_parser)
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
+        if config.reasoning_parser is not None and inputs.params.structured_outputs is not None:
+            _, name = structured_outputs(body)
+            raise invalid(name, f"{name}: constraints on the text start at its first token here, so with "
+                                f"--reasoning-parser they would constrain the model's thinking too; not supported")
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
             inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
-                         body.prompt_logprobs, tools)
+                         body.prompt_logprobs, tools, config.reasoning_parser)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec, _text_or_file
-from multispec.serve.tools import TOOL_PARSERS
+from multispec.serve.tools import REASONING_PARSERS, TOOL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5 and "
                              "Hermes models write them)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split a reasoning model's thinking from its answer in chat responses (message.reasoning, "
+                             "as vLLM): deepseek_r1 (thinking up to </think>, as DeepSeek-R1 and its distillations "
+                             "write it)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -79,7 +83,8 @@ def run(args) -> int:
                           limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit),
                           max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes,
                           chat_template=chat_template, sampling_defaults=llm.generation_defaults,
-                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          reasoning_parser=args.reasoning_parser)
     app = build_app(AsyncLLM(llm), config)
     print(f"multispec: serving {config.served_model_name!r} ({model} on {llm.device}, "
           f"{str(llm.dtype).removeprefix('torch.')}, drafter {spec.drafter}) at http://{args.host}:{args.port}/v1",

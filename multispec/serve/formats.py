@@ -18,7 +18,8 @@ from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionLogprobs,
                                      CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
                                      TopLogprob)
-from multispec.serve.tools import TOOL_PARSERS, AutoToolStream, ForcedToolStream, ToolMode, call_id
+from multispec.serve.tools import (REASONING_PARSERS, TOOL_PARSERS, AutoToolStream, ForcedToolStream,
+                                   ReasoningStream, ToolMode, call_id)
 
 
 @dataclass
@@ -35,6 +36,10 @@ class Choice:
     prompt_logprobs: list | None = None
     calls: ForcedToolStream | AutoToolStream | None = None
     """A streamed answer's tool calls so far (where the request has a ``ToolMode``)."""
+    thinking: ReasoningStream | None = None
+    """A streamed answer's split into reasoning and content (a server with a reasoning parser)."""
+    shown: tuple[str, str] = ("", "")
+    """The reasoning and content of the last delta, as its chunk shows them."""
 
     def add(self, delta: CompletionOutput, logprobs: BaseModel | None) -> None:
         self.text.append(delta.text)
@@ -138,22 +143,34 @@ class ChatFormat:
     id_prefix = "chatcmpl"
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
-                 prompt_logprobs: int | None = None, tool_mode: ToolMode | None = None):
-        """``tool_mode``: how the answers hold tool calls (``multispec.serve.tools``)."""
+                 prompt_logprobs: int | None = None, tool_mode: ToolMode | None = None,
+                 reasoning_parser: str | None = None):
+        """``tool_mode``: how the answers hold tool calls; ``reasoning_parser``: how their reasoning
+        is split from the content (``multispec.serve.tools``; the calls are read from the content)."""
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
+        self.reasoning_parser = reasoning_parser
 
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
         _keep_prompt_logprobs(self.prompt_logprobs, out, choice, self.token_text)
+        reasoning, content = "", delta.text
+        if self.reasoning_parser is not None:
+            if choice.thinking is None:
+                choice.thinking = ReasoningStream(REASONING_PARSERS[self.reasoning_parser]())
+            choice.thinking.feed(delta.text)
+            if delta.finish_reason is not None:
+                choice.thinking.finish()
+            reasoning, content = choice.thinking.take()
+        choice.shown = (reasoning, content)
         if self.tool_mode is not None:
             if choice.calls is None:
                 mode = self.tool_mode
                 choice.calls = (AutoToolStream(TOOL_PARSERS[mode.parser]()) if mode.kind == "auto"
                                 else ForcedToolStream(mode))
-            choice.calls.feed(delta.text)
+            choice.calls.feed(content)
         return delta, self.logprobs(delta, choice)
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
@@ -182,16 +199,20 @@ class ChatFormat:
         calls it completes (None where it completes nothing, finishes nothing and carries no
         log-probabilities)."""
         finish = delta.finish_reason
-        if choice.calls is None:
-            shown = Delta(content=delta.text)
+        reasoning, content = choice.shown
+        if choice.calls is None and choice.thinking is None:
+            shown = Delta(content=content)
         else:
-            if finish is not None:
-                choice.calls.finish()
-            content, pieces = choice.calls.take()
-            if not content and not pieces and finish is None and logprobs is None:
+            pieces = []
+            if choice.calls is not None:
+                if finish is not None:
+                    choice.calls.finish()
+                content, pieces = choice.calls.take()
+            if not reasoning and not content and not pieces and finish is None and logprobs is None:
                 return None
-            shown = Delta(content=content or None, tool_calls=pieces or None)
-            if finish is not None and self.tool_mode.kind == "auto" and choice.calls.sent:
+            shown = Delta(reasoning=reasoning or None, content=content or None, tool_calls=pieces or None)
+            if finish is not None and self.tool_mode is not None and self.tool_mode.kind == "auto" \
+                    and choice.calls.sent:
                 finish = "tool_calls"
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[ChatChunkChoice(
             index=index, delta=shown, logprobs=logprobs, finish_reason=finish, stop_reason=delta.stop_reason)])
@@ -213,17 +234,24 @@ class ChatFormat:
         """The answer as text, or as tool calls, as vLLM gives them: a named function's arguments
         are the text; "required" parses the list (a list cut short by max_tokens stays text);
         "auto" reads the model's calls with the server's parser (the text before them is the
-        content; finish_reason "tool_calls")."""
+        content; finish_reason "tool_calls"). With a reasoning parser, the thinking is
+        ``reasoning`` and the rest is read as above."""
+        reasoning = None
+        if self.reasoning_parser is not None:  # as vLLM: no content after the thinking is null
+            reasoning, content = REASONING_PARSERS[self.reasoning_parser]().split(text)
+            text = content or ""
+        whole = text or None if self.reasoning_parser is not None else text
         mode = self.tool_mode
         if mode is None:
-            return AssistantMessage(content=text)
+            return AssistantMessage(content=whole, reasoning=reasoning)
         if mode.kind == "auto":
             content, calls = TOOL_PARSERS[mode.parser]().parse(text)
             if not calls:
-                return AssistantMessage(content=text)
-            return AssistantMessage(content=content, tool_calls=[_tool_call(*call) for call in calls])
+                return AssistantMessage(content=whole, reasoning=reasoning)
+            return AssistantMessage(content=content, tool_calls=[_tool_call(*call) for call in calls],
+                                    reasoning=reasoning)
         if mode.kind == "named":
-            return AssistantMessage(content="", tool_calls=[_tool_call(mode.name, text)])
+            return AssistantMessage(content="", tool_calls=[_tool_call(mode.name, text)], reasoning=reasoning)
         try:
             calls = [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
                      for call in json.loads(text)]

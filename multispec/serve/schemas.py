@@ -262,6 +262,8 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = _omit_none()
+    """The thinking of a reasoning model (a server with ``--reasoning-parser``), as vLLM names it."""
     tool_calls: list[ToolCall] | None = _omit_none()
 
 
@@ -300,6 +302,7 @@ class DeltaToolCall(BaseModel):
 
 class Delta(BaseModel):
     role: str | None = _omit_none()
+    reasoning: str | None = _omit_none()
     content: str | None = _omit_none()
     tool_calls: list[DeltaToolCall] | None = _omit_none()
 

@@ -206,3 +206,57 @@ def _partial(text: str, tag: str, start: int) -> int:
         if tag.startswith(text[len(text) - size:]):
             return size
     return 0
+
+
+class DeepSeekR1Reasoning:
+    """Reasoning models' thinking (DeepSeek-R1 and its distillations, QwQ and others that think
+    between ``<think>`` and ``</think>``), split from the answer as vLLM's ``deepseek_r1`` parser
+    splits it: the text up to ``</think>`` is the reasoning (an opening ``<think>`` and anything
+    before it dropped; templates often write the opening tag into the prompt), the rest the
+    content; without ``</think>`` the whole text is reasoning (the answer was cut short while
+    thinking)."""
+
+    start, end = "<think>", "</think>"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content), each None where empty."""
+        before, opened, after = text.partition(self.start)
+        text = after if opened else before
+        if self.end not in text:
+            return text or None, None
+        reasoning, _, content = text.partition(self.end)
+        return reasoning or None, content or None
+
+
+REASONING_PARSERS = {"deepseek_r1": DeepSeekR1Reasoning}
+"""``--reasoning-parser`` names."""
+
+
+class ReasoningStream:
+    """A streamed answer split into reasoning and content as it arrives: the split of the text so
+    far, less a tail that could be the start of a tag, and what it adds since the last take. The
+    pieces join to the split of the whole answer (but for text a model writes before an opening
+    tag, which the whole answer drops and a stream has already sent)."""
+
+    def __init__(self, parser: DeepSeekR1Reasoning):
+        self.parser = parser
+        self.text = ""
+        self.sent = [0, 0]  # characters of reasoning and of content sent
+        self.ended = False
+
+    def feed(self, text: str) -> None:
+        self.text += text
+
+    def finish(self) -> None:
+        self.ended = True
+
+    def take(self) -> tuple[str, str]:
+        """The reasoning and the content the text adds since the last take."""
+        held = 0 if self.ended else max(_partial(self.text, tag, 0) for tag in (self.parser.start, self.parser.end))
+        parts = self.parser.split(self.text[:len(self.text) - held])
+        pieces = []
+        for i, part in enumerate(parts):
+            part = part or ""
+            pieces.append(part[self.sent[i]:])
+            self.sent[i] = max(self.sent[i], len(part))
+        return pieces[0], pieces[1]

@@ -1,6 +1,7 @@
-"""How tool calls are read out of an answer's text: forced ones as they stream
-(``ForcedToolStream``), and the model's own (``tool_choice`` "auto") with the Hermes parser, whole
-and streamed (``HermesParser``, ``AutoToolStream``)."""
+"""How tool calls and reasoning are read out of an answer's text: forced calls as they stream
+(``ForcedToolStream``), the model's own (``tool_choice`` "auto") with the Hermes parser, whole and
+streamed (``HermesParser``, ``AutoToolStream``), and a reasoning model's thinking split from its
+answer (``DeepSeekR1Reasoning``, ``ReasoningStream``), through the chat format too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import json
 
 import pytest
 
-from multispec.serve.tools import AutoToolStream, ForcedToolStream, HermesParser, ToolMode
+from multispec.params import CompletionOutput
+from multispec.serve.formats import ChatFormat, Choice
+from multispec.serve.tools import (AutoToolStream, DeepSeekR1Reasoning, ForcedToolStream, HermesParser,
+                                   ReasoningStream, ToolMode)
 
 REQUIRED = ToolMode("required")
 CALLS = [{"name": "note", "parameters": {"text": 'a "}]" and {[ \\" \\\\'}},
@@ -95,3 +99,62 @@ def test_hermes_calls_read_whole_and_streamed(text, content, calls):
         streamed_content, pieces = streamed_auto(text, size)
         assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
         assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+
+
+THINKING = ["<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4, so\n</think>The answer is 4.",
+            "Still thinking when cut", "<think></think>Just the answer.", "Before <think>x</think>y"]
+
+
+@pytest.mark.parametrize("text", THINKING)
+def test_reasoning_split_whole_and_streamed(text):
+    """deepseek_r1, as vLLM's parser splits: thinking up to </think> (an opening <think> and what
+    precedes it dropped), the rest the content, all reasoning without </think>, each None where
+    empty. Streamed in pieces of any size, the pieces join to the same split (a tail that may
+    start a tag held back), except text written before an opening tag, which a stream has sent."""
+    reasoning, content = DeepSeekR1Reasoning().split(text)
+    before, opened, after = text.partition("<think>")
+    thinking = after if opened else before
+    assert (reasoning or "") + ("</think>" if "</think>" in thinking else "") + (content or "") == thinking
+    for size in (1, 3, 8, len(text)):
+        stream, got = ReasoningStream(DeepSeekR1Reasoning()), ["", ""]
+        for start in range(0, len(text), size):
+            stream.feed(text[start:start + size])
+            if start + size >= len(text):
+                stream.finish()
+            for i, piece in enumerate(stream.take()):
+                assert "<think>" not in piece and "</think>" not in piece
+                got[i] += piece
+        if text.startswith("Before"):
+            assert got[1] == content
+            continue
+        assert got == [reasoning or "", content or ""]
+
+
+def test_chat_format_shows_reasoning_apart_and_reads_calls_from_the_content():
+    """A chat answer through the format, as the server presents it: message.reasoning and the
+    content (null where empty), streamed as delta.reasoning then delta.content; with "auto" tool
+    calls, the calls are read from the content only (a tag inside the thinking is thinking)."""
+    text = ('<think>I could call <tool_call>{"name": "f", "arguments": {}}</tool_call> here.</think>Sure. '
+            '<tool_call>{"name": "g", "arguments": {"x": 1}}</tool_call>')
+    for mode in (None, ToolMode("auto", parser="hermes")):
+        fmt = ChatFormat(None, None, tool_mode=mode, reasoning_parser="deepseek_r1")
+        message = fmt._message(text)
+        assert message.reasoning == 'I could call <tool_call>{"name": "f", "arguments": {}}</tool_call> here.'
+        if mode is None:
+            assert message.content == text.split("</think>")[1] and message.tool_calls is None
+        else:
+            assert message.content == "Sure. " and [c.function.name for c in message.tool_calls] == ["g"]
+        choice, deltas = Choice(), []
+        pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+        for i, piece in enumerate(pieces):
+            delta = CompletionOutput(0, piece, [i], 0.0, "stop" if i == len(pieces) - 1 else None)
+            fmt.present(0, None, delta, choice)
+            chunk = fmt.chunk("id", 0, "m", 0, delta, None, choice)
+            if chunk is not None:
+                deltas.append(chunk.choices[0])
+        joined = {name: "".join(getattr(d.delta, name) or "" for d in deltas) for name in ("reasoning", "content")}
+        assert joined == {"reasoning": message.reasoning, "content": message.content}
+        calls = [t.function.name for d in deltas for t in d.delta.tool_calls or []]
+        assert calls == [c.function.name for c in message.tool_calls or []]
+        assert deltas[-1].finish_reason == ("stop" if mode is None else "tool_calls")
+    assert ChatFormat(None, None, reasoning_parser="deepseek_r1")._message("<think>only</think>").content is None
