@@ -233,15 +233,21 @@ REASONING_PARSERS = {"deepseek_r1": DeepSeekR1Reasoning}
 
 
 class ReasoningStream:
-    """A streamed answer split into reasoning and content as it arrives: the split of the text so
-    far, less a tail that could be the start of a tag, and what it adds since the last take. The
-    pieces join to the split of the whole answer (but for text a model writes before an opening
-    tag, which the whole answer drops and a stream has already sent)."""
+    """A streamed answer split into reasoning and content as it arrives, each delta's text looked at
+    once: the tags are searched for in the new text only (less a tail that could be the start of
+    one, held back), and each take gives what the text adds to either part. The pieces join to the
+    split of the whole answer, but for text a model writes before an opening tag (the whole answer
+    drops it; a stream has sent it) or tags in an order no thinking model writes (an opening tag
+    after the closing one)."""
 
     def __init__(self, parser: DeepSeekR1Reasoning):
         self.parser = parser
         self.text = ""
-        self.sent = [0, 0]  # characters of reasoning and of content sent
+        self.looked = 0  # the text before this holds no tag still to find
+        self.begin = 0  # where the thinking starts (after an opening tag, once one is seen)
+        self.opened = False
+        self.closed: int | None = None  # where the closing tag starts, once seen
+        self.sent = [0, 0]  # how far into the text the reasoning and the content have been sent
         self.ended = False
 
     def feed(self, text: str) -> None:
@@ -252,11 +258,20 @@ class ReasoningStream:
 
     def take(self) -> tuple[str, str]:
         """The reasoning and the content the text adds since the last take."""
-        held = 0 if self.ended else max(_partial(self.text, tag, 0) for tag in (self.parser.start, self.parser.end))
-        parts = self.parser.split(self.text[:len(self.text) - held])
-        pieces = []
-        for i, part in enumerate(parts):
-            part = part or ""
-            pieces.append(part[self.sent[i]:])
-            self.sent[i] = max(self.sent[i], len(part))
-        return pieces[0], pieces[1]
+        text, start, end = self.text, self.parser.start, self.parser.end
+        upto = len(text) - (0 if self.ended else max(_partial(text, tag, 0) for tag in (start, end)))
+        if self.closed is None:
+            if not self.opened and (found := text.find(start, self.looked, upto)) >= 0:
+                self.opened, self.begin = True, found + len(start)
+            if (found := text.find(end, max(self.begin, self.looked), upto)) >= 0:
+                self.closed = found
+            self.looked = max(self.looked, upto - len(end) + 1, 0)
+        thinking_end = upto if self.closed is None else self.closed
+        reasoning = text[max(self.sent[0], self.begin):thinking_end]
+        self.sent[0] = max(self.sent[0], thinking_end)
+        content = ""
+        if self.closed is not None:
+            after = max(self.sent[1], self.closed + len(end))
+            content = text[after:upto]
+            self.sent[1] = max(after, upto)
+        return reasoning, content
