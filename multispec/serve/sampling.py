@@ -229,12 +229,18 @@ def structured_outputs(request: GenerationRequest) -> tuple[StructuredOutputsPar
     raise invalid(name, f"response_format.type={kind!r}: must be 'text', 'json_object' or 'json_schema'")
 
 
+def _tool_choice(request: ChatCompletionRequest) -> tuple[list, str | dict]:
+    """The request's tools and its tool_choice, OpenAI's default where it gives none ("auto" with
+    tools, else "none")."""
+    tools = request.tools or []
+    return tools, request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
+
+
 def tool_mode(request: ChatCompletionRequest, parser: str | None = None) -> ToolMode | None:
     """How the answer holds tool calls: None (text: no tools, or tool_choice "none"), a named
     function's arguments, "required"'s list, or "auto": the model's own format, read with the
     server's ``--tool-call-parser`` (without one, "auto" is refused, as in vLLM)."""
-    tools = request.tools or []
-    choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
+    tools, choice = _tool_choice(request)
     if choice == "required":
         return ToolMode("required")
     if isinstance(choice, dict):
@@ -253,8 +259,7 @@ def tool_constraint(request: ChatCompletionRequest) -> dict | None:
     """The constraint ``tools`` and ``tool_choice`` put on the answer, as vLLM builds it: a named
     function's arguments follow its parameter schema; "required" is a non-empty JSON list of
     ``{"name", "parameters"}``, each as one of the functions declares; None for "none" and "auto"."""
-    tools = request.tools or []
-    choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
+    tools, choice = _tool_choice(request)
     if choice != "none" and not tools:
         raise invalid("tool_choice", f"tool_choice={choice!r} needs tools")
     names = [tool.function.name for tool in tools]
