@@ -69,14 +69,18 @@ class LLM:
     (``self.kv_cache_dtype``). ``generation_config``: where the default sampling settings come from,
     as in vLLM: "auto" the checkpoint's ``generation_config.json`` (temperature, top-p, top-k,
     min-p, repetition penalty, max_new_tokens; ``get_default_sampling_params``), "vllm"
-    ``SamplingParams``' own defaults, or another directory's file. ``engine`` is the ``LLMEngine``
+    ``SamplingParams``' own defaults, or another directory's file. ``enable_prefix_caching`` (vLLM's
+    name, on by default): a prompt that begins with tokens an earlier prompt had computes only the
+    rest, from the keys and values that prompt left in the cache (``multispec.engine.prefix``).
+    ``engine`` is the ``LLMEngine``
     every call steps. The first ``LLM`` of a process freezes the interpreter's heap out of the
     garbage collector's way (``gc.freeze``, see ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
-                 device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto"):
+                 device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto",
+                 enable_prefix_caching: bool = True):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
@@ -85,6 +89,8 @@ class LLM:
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, Integral)):
             raise ValueError(f"max_model_len={max_model_len!r}: must be an integer or None")
         _check_spec(spec)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir={cache_dir!r}: must be a directory path or None")
         if not isinstance(generation_config, (str, os.PathLike)) or (
@@ -110,7 +116,7 @@ class LLM:
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
                                      model_key=weights_key(path), cache_dir=cache_dir,
                                      draft_head=paired_draft_head(model), model_name=str(model),
-                                     kv_cache_dtype=self.kv_cache_dtype)
+                                     kv_cache_dtype=self.kv_cache_dtype, prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
         self._ids = itertools.count()
@@ -118,6 +124,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prompt the cache holds (vLLM's method): later prompts compute all their
+        tokens until the cache fills again. True once done."""
+        self.engine.reset_prefix_cache()
+        return True
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``SamplingParams``: the model's

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if not output.parent.is_dir():
         raise ValueError(f"--output {output}: no directory {output.parent}")
     llm_options = {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                   "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, "spec": spec}
+                   "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, "spec": spec,
+                   "enable_prefix_caching": args.enable_prefix_caching}
     start = time.perf_counter()
     results = map_with_llm(requests, complete, llm_options, **ray_options(args))
     seconds = time.perf_counter() - start

@@ -36,6 +36,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="'auto' (default): the model's dtype; 'bfloat16' under float32 weights halves the cache")
     parser.add_argument("--device", default="auto",
                         help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the keys and values of prompts that begin alike (default: on)")
 
 
 MODEL_LAW_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -184,7 +186,7 @@ def _llm(args):
     from multispec.api import LLM
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
     kv = "" if llm.kv_cache_dtype == llm.dtype else f", KV cache {str(llm.kv_cache_dtype).removeprefix('torch.')}"
     print(f"multispec: {args.model} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}{kv}", file=sys.stderr)
     return llm

@@ -450,6 +450,8 @@ class RequestOutput:
     prompt_token_ranks: list[int | None] | None = None
     """With ``prompt_logprobs``: each prompt token's rank among the vocabulary at its position (1:
     the likeliest), None for the first (vLLM's ``Logprob.rank``)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose keys and values came from an earlier prompt (prefix caching)."""
 
 
 @dataclass
@@ -460,6 +462,8 @@ class RunStats(_SpeculationFigures):
     prefill_forwards: int = 0
     decode_forwards: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Of ``prompt_tokens``, those whose keys and values were reused from earlier prompts."""
     generated_tokens: int = 0
     finished_samples: int = 0
     sample_steps: int = 0

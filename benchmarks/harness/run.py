@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8,
                         help="prompts per request (server) or per forward (transformers) (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--serve-args", default="", metavar="FLAGS",
+                        help="more flags for multispec serve, e.g. '--no-enable-prefix-caching'")
     parser.add_argument("--keep", metavar="DIR", default=None, help="write the harness's outputs here and keep them")
     return parser.parse_args()
 
@@ -121,7 +124,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
     """``multispec serve`` on the default model, once /health answers; its dtype and served name."""
     log = open(Path(args.out) / "server.log", "w")
     server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "multispec"), "serve", "--port", str(args.port),
-                               "--dtype", args.dtype], stdout=log, stderr=subprocess.STDOUT)
+                               "--dtype", args.dtype, *shlex.split(args.serve_args)],
+                              stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:

@@ -20,29 +20,42 @@ class PrefillAttention:
     """Causal attention of whole prompts, written into their prompt slots.
 
     ``segments`` lists (prompt_slot, length) for each prompt packed in this forward, in the
-    order their tokens are concatenated.
+    order their tokens are concatenated. ``starts``: where in its slot each segment begins (a
+    prompt whose first positions the slot holds already: its rows attend to those too); None: 0.
     """
 
-    def __init__(self, cache: KVCache, segments: list[tuple[int, int]]):
+    def __init__(self, cache: KVCache, segments: list[tuple[int, int]], starts: list[int] | None = None):
         self.cache = cache
         self.segments = segments
+        self.starts = starts or [0] * len(segments)
+        # Where a segment continues what its slot holds, row i sees positions up to start + i.
+        self.masks = [None if start == 0 else
+                      torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start)
+                      for (_, length), start in zip(segments, self.starts)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outputs = []
-        start = 0
-        for slot, length in self.segments:
-            end = start + length
-            kk = k[start:end].transpose(0, 1)
-            vv = v[start:end].transpose(0, 1)
-            self.cache.prompt_k[layer, slot, :, :length] = kk
-            self.cache.prompt_v[layer, slot, :, :length] = vv
+        begin = 0
+        for (slot, length), start, mask in zip(self.segments, self.starts, self.masks):
+            end = begin + length
+            kk = k[begin:end].transpose(0, 1)
+            vv = v[begin:end].transpose(0, 1)
+            keys, values = self.cache.prompt_k[layer, slot], self.cache.prompt_v[layer, slot]
+            keys[:, start:start + length] = kk
+            values[:, start:start + length] = vv
+            # Attention reads them back as stored (rounded, where the cache is narrower than the
+            # activations), as every later step does: a prompt reads the same keys and values
+            # whether it continues a cached prefix or is computed whole.
+            if mask is not None or keys.dtype != q.dtype:
+                kk = keys[:, :start + length].to(q.dtype)
+                vv = values[:, :start + length].to(q.dtype)
             # With a batch dimension the CPU runs its fused (flash) kernel; without one, the
             # unfused reference (2-4.7x slower at 128-2048 tokens).
             out = torch.nn.functional.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], kk[None], vv[None], is_causal=True, enable_gqa=True
-            )
+                q[begin:end].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask, is_causal=mask is None,
+                enable_gqa=True)
             outputs.append(out[0].transpose(0, 1))
-            start = end
+            begin = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multispec.engine.prefix import PromptPrefixes
 from multispec.models.config import ModelConfig
 from multispec.models.pages import transparent_huge_pages
 
@@ -129,6 +130,8 @@ class KVCache:
         """Tokens a layout may span."""
         self.shape: CacheShape | None = None
         self.free_prompt_slots: list[int] = []
+        self.prefixes = PromptPrefixes()
+        """What each prompt slot still holds, for prompts that continue it (``multispec.engine.prefix``)."""
         self._prompt_ready: list[int] = []
         self._sample_ready: list[int] = []
 
@@ -150,6 +153,7 @@ class KVCache:
         self.sample_k, self.sample_v = self.k_store[split:end].view(sample), self.v_store[split:end].view(sample)
         self.shape = shape
         self.free_prompt_slots = list(range(shape.prompt_slots - 1, -1, -1))
+        self.prefixes.reset(shape.prompt_slots)
         # Positions zeroed (or written) so far in each slot of this layout.
         self._prompt_ready = [0] * shape.prompt_slots
         self._sample_ready = [0] * shape.sample_slots
@@ -175,8 +179,17 @@ class KVCache:
         cache._sample_ready = [old] * shape.sample_slots
         return cache
 
-    def take_prompt_slot(self) -> int:
-        return self.free_prompt_slots.pop()
+    def take_prompt_slot(self, slot: int | None = None) -> int:
+        """A free prompt slot: ``slot`` (which must be free), or the last freed."""
+        if slot is None:
+            return self.free_prompt_slots.pop()
+        self.free_prompt_slots.remove(slot)
+        return slot
+
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of prompt slot ``src`` into prompt slot ``dst``."""
+        self.prompt_k[:, dst, :, :length] = self.prompt_k[:, src, :, :length]
+        self.prompt_v[:, dst, :, :length] = self.prompt_v[:, src, :, :length]
 
     def release_prompt_slot(self, slot: int) -> None:
         self.free_prompt_slots.append(slot)
@@ -213,6 +226,7 @@ class KVCache:
                     self._reserved[0].hand_back(self.prompt_k[layer, slot])
                     self._reserved[1].hand_back(self.prompt_v[layer, slot])
                 self._prompt_ready[slot] = 0
+                self.prefixes.forget(slot)
 
     def move_sample(self, src: int, dst: int, length: int) -> None:
         """Copy a sample's first ``length`` cached tokens from slot ``src`` into slot ``dst``."""

@@ -31,6 +31,7 @@ from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.grammar import Grammars
 from multispec.engine.lane import Lane, lane_key
+from multispec.engine.prefix import PromptScores
 from multispec.engine.rules import prompt_rows, ruled, ruled_now
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
@@ -70,6 +71,8 @@ class EngineConfig:
     """How error messages name the model."""
     kv_cache_dtype: torch.dtype | None = None
     """What the KV cache stores (None: the model's dtype; bfloat16 under float32 weights)."""
+    prefix_caching: bool = True
+    """Whether prompts reuse the keys and values of earlier prompts they begin with."""
 
 
 @dataclass
@@ -113,7 +116,7 @@ class LLMEngine:
         per_token = kv_bytes_per_token(model.config, self.kv_dtype)
         self.cache = KVCache(model.config, config.kv_cache_bytes // per_token, self.kv_dtype, self.device,
                              overcommit=OVERCOMMIT, compute_dtype=self.dtype)
-        self.scheduler = Scheduler(self.cache, config.max_model_len)
+        self.scheduler = Scheduler(self.cache, config.max_model_len, config.prefix_caching)
         self.requests: dict[str, Request] = {}
         self.lanes: dict[tuple, Lane] = {}
         self._step_costs: StepCosts | None = None
@@ -265,6 +268,10 @@ class LLMEngine:
             self._changed[request_id] = request
             self._retire()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget what every prompt slot holds (``multispec.engine.prefix``)."""
+        self.cache.prefixes.reset(len(self.cache.prefixes.tokens))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -370,22 +377,18 @@ class LLMEngine:
         changed[request.request_id] = request
 
     def _prefill(self, requests: list[Request], changed: dict[str, Request]) -> None:
-        """One forward over the admitted prompts; each prompt's last row gives its n samples their
+        """One forward over the admitted prompts (two where some continue a prompt admitted with
+        them: see ``multispec.engine.prefix``); each prompt's last row gives its n samples their
         first token, drawn with each sample's own keyed random number for output position 0."""
         t0 = time.perf_counter()
-        token_ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
-        positions = torch.cat([torch.arange(r.prompt_len) for r in requests]).to(self.device)
-        last_rows = torch.tensor(_cumsum([r.prompt_len for r in requests]), device=self.device) - 1
-        attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len) for r in requests])
-        every = self.model.hidden_states(token_ids, positions, attention)
-        hidden = every[last_rows]
+        rows: dict[int, torch.Tensor] = {}
+        forwards = 0
+        for wave in ([r for r in requests if r.source is None], [r for r in requests if r.source is not None]):
+            if wave:
+                rows.update(self._prefill_forward(wave))
+                forwards += 1
+        hidden = torch.cat([rows[id(r)] for r in requests])
         logits = self.model.logits(hidden)
-        start = 0
-        for request in requests:
-            if request.params.prompt_logprobs is not None:
-                request.prompt_logprobs, request.prompt_ranks = self._prompt_logprobs(
-                    every[start:start + request.prompt_len - 1], request.prompt_ids, request.params.prompt_logprobs)
-            start += request.prompt_len
         ruled_rows = prompt_rows(requests) if any(ruled_now(r, 0) for r in requests) else None
         scored = logits if ruled_rows is None else ruled(logits, ruled_rows)
         dead = set() if ruled_rows is None else set(ruled_rows.dead)
@@ -433,42 +436,68 @@ class LLMEngine:
                 self.stats.generated_tokens += n
             except Exception as error:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(request, error, changed)
-        self.stats.prefill_forwards += 1
-        self.stats.prompt_tokens += int(token_ids.numel())
+        self.stats.prefill_forwards += forwards
+        self.stats.prompt_tokens += sum(r.prompt_len for r in requests)
+        self.stats.cached_prompt_tokens += sum(r.cached for r in requests)
         self.stats.time_prefill += time.perf_counter() - t0
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, ids: list[int], top: int) -> tuple[list, list]:
-        """Each prompt token's log-probability given the ones before it (raw logits, as vLLM
-        reports them), with the ``top`` likeliest, and its rank in the vocabulary (1: the likeliest;
-        ties share the better rank); None for the first token. ``hidden``: the rows of every prompt
-        token but the last. The head runs on 256 rows at a time."""
-        out: list = [None]
-        ranks: list = [None]
+    def _prefill_forward(self, requests: list[Request]) -> dict[int, torch.Tensor]:
+        """One forward over the part of each prompt its slot does not hold yet (after copying in
+        what it continues); keeps what each slot then holds, with its prompt's log-probabilities
+        where asked. Returns each request's last row (final hidden state), by ``id``."""
+        for request in requests:
+            if request.copy_from is not None:
+                self.cache.copy_prompt(request.copy_from, request.prompt_slot, request.cached)
+            if request.source is not None and request.params.prompt_logprobs is not None:
+                request.prompt_scores = request.source.prompt_scores.prefix(request.cached + 1)
+        token_ids = torch.tensor([t for r in requests for t in r.prompt_ids[r.cached:]], device=self.device)
+        positions = torch.cat([torch.arange(r.cached, r.prompt_len) for r in requests]).to(self.device)
+        attention = PrefillAttention(self.cache, [(r.prompt_slot, r.prompt_len - r.cached) for r in requests],
+                                     [r.cached for r in requests])
+        every = self.model.hidden_states(token_ids, positions, attention)
+        last: dict[int, torch.Tensor] = {}
+        start = 0
+        for request in requests:
+            end = start + request.prompt_len - request.cached
+            top = request.params.prompt_logprobs
+            if top is not None:
+                held = request.prompt_scores if request.cached else PromptScores(top, [None], [None], [None])
+                request.prompt_scores = held.extend(
+                    self._prompt_scores(every[start:end - 1], request.prompt_ids[request.cached + 1:], top))
+                request.prompt_logprobs, request.prompt_ranks = request.prompt_scores.entries(request.prompt_ids, top)
+            if self.scheduler.prefix_caching:
+                self.cache.prefixes.hold(request.prompt_slot, request.prompt_ids, request.prompt_scores)
+            last[id(request)] = every[end - 1:end]
+            start = end
+        return last
+
+    def _prompt_scores(self, hidden: torch.Tensor, following: list[int], top: int) -> PromptScores:
+        """The log-probability of each of the ``following`` tokens given the ones before it (raw
+        logits, as vLLM reports them), with the ``top`` likeliest, and its rank in the vocabulary
+        (1: the likeliest; ties share the better rank). ``hidden``: the rows before each (one per
+        token). The head runs on 256 rows at a time."""
+        scores = PromptScores(top, [], [], [])
         from multispec import kernels
 
         kernel = kernels.token_logprobs() if self.device.type == "cpu" else None
-        for begin in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
+        for begin in range(0, len(following), PROMPT_LOGPROB_ROWS):
             rows = hidden[begin:begin + PROMPT_LOGPROB_ROWS]
-            following = ids[begin + 1:begin + 1 + len(rows)]
+            tokens = following[begin:begin + len(rows)]
             if kernel is not None:  # one pass a row, no log-softmax written out
                 chosen_rows, rank, best_values, best_indices = kernel(
-                    self.model.logits(rows, float32=False).contiguous(), torch.tensor(following), top)
+                    self.model.logits(rows, float32=False).contiguous(), torch.tensor(tokens), top)
                 chosen, best_values, best_indices = chosen_rows.tolist(), best_values.tolist(), best_indices.tolist()
-                ranks += rank.tolist()
+                scores.ranks.extend(rank.tolist())
             else:
                 logprobs = torch.log_softmax(self.model.logits(rows), -1)
-                chosen_rows = logprobs.gather(1, torch.tensor(following, device=logprobs.device)[:, None])
-                ranks += ((logprobs > chosen_rows).sum(-1) + 1).tolist()
+                chosen_rows = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])
+                scores.ranks.extend(((logprobs > chosen_rows).sum(-1) + 1).tolist())
                 chosen = chosen_rows[:, 0].tolist()
                 best = logprobs.topk(top, -1) if top else None
                 best_indices, best_values = (best.indices.tolist(), best.values.tolist()) if top else ([], [])
-            for i, token in enumerate(following):
-                entry = {token: chosen[i]}
-                if top:
-                    entry.update(zip(best_indices[i], best_values[i]))
-                    entry[token] = chosen[i]
-                out.append(entry)
-        return out, ranks
+            scores.chosen.extend(chosen)
+            scores.best.extend(zip(best_indices, best_values) if top else [((), ())] * len(tokens))
+        return scores
 
     def _decode(self, changed: dict[str, Request]) -> None:
         slots = self.scheduler.slots

@@ -155,6 +155,18 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     samples: list[Sample] = field(default_factory=list)
     prompt_slot: int = -1
+    cached: int = 0
+    """Leading prompt positions whose keys and values its prompt slot holds before its prefill
+    (``multispec.engine.prefix``); the prefill computes the rest."""
+    copy_from: int | None = None
+    """The prompt slot those are copied from first (None: its own slot holds them already)."""
+    source: Request | None = None
+    """A request admitted in the same step whose prefill computes them (this one's prefill then
+    follows it, in a second forward)."""
+    prompt_array: object = None
+    """The prompt ids as a numpy array, where the scheduler compared it with others."""
+    prompt_scores: object = None
+    """Where ``prompt_logprobs`` asked, the ``PromptScores`` its prefill computed or reused."""
     unfinished: int = 0
     error: str | None = None
     aborted: set[int] = field(default_factory=set)
@@ -200,7 +212,7 @@ class Request:
         else:
             outputs = [_cumulative(s, tokenizer) for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outputs, self.finished, self.error,
-                             self.metrics, self.prompt_logprobs, self.prompt_ranks)
+                             self.metrics, self.prompt_logprobs, self.prompt_ranks, self.cached)
 
 
 def _cumulative(sample: Sample, tokenizer) -> CompletionOutput:

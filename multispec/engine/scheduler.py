@@ -9,6 +9,11 @@ current layout waits, and so do those behind it, until no sample is left running
 then laid out again for what waits (``plan``). A request that could not fit even alone in the
 whole cache is refused when it is added (``check_fits``).
 
+With prompt caching (``multispec.engine.prefix``) a request's prompt slot is chosen for what it
+can reuse: a free slot that holds the longest prefix of its prompt, else the least recently used
+free slot, into which a prefix held by a slot in use (or computed by a request admitted in the
+same step) is copied.
+
 Live samples always occupy sample slots 0..B-1, which attention reads in place: new samples take
 the next slots, and a finished sample's slot is refilled by moving the last one down.
 """
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from multispec.engine.cache import KVCache, CacheShape
+from multispec.engine.prefix import common_prefix
 from multispec.engine.request import Request, Sample
 
 SAMPLE_CAPACITY = 512
@@ -33,12 +41,17 @@ requests alone, a server laid out during its first request (n = 16, a 4 GiB floa
 10 prompt slots beside 161 sample slots, so at most 10 requests ran at once however many clients
 waited (32 clients, n from {1, 4, 8, 16}: about half the sample slots idle, and a median time to
 first token of 90 s)."""
+SECOND_FORWARD_GAIN = 64
+"""Prompt tokens a request must save by continuing the prompt of a request admitted in the same
+step (which its prefill then has to follow, in a second forward) beyond what the slots already
+hold, for the wait to be worth that forward's fixed cost."""
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_model_len: int):
+    def __init__(self, cache: KVCache, max_model_len: int, prefix_caching: bool = True):
         self.cache = cache
         self.max_model_len = max_model_len
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.slots: list[Sample] = []
         """Live samples in slot order."""
@@ -82,14 +95,16 @@ class Scheduler:
                 break
             if not self.cache.free_prompt_slots or len(self.slots) + reserved + head.n > self.cache.shape.sample_slots:
                 break
+            choice = self._choose_prompt_slot(head, admitted)
             # Within a layout that fits the budget (no overcommit) the memory always fits too.
-            if self.cache.overcommit > 1 and not self._resident_fits(live + admitted, head, reserved):
+            if self.cache.overcommit > 1 and not self._resident_fits(live + admitted, head, reserved, choice[0]):
                 # Hand back what finished requests left zeroed, then ask again.
                 self.cache.release_unused(len(self.slots) + reserved, {r.prompt_slot for r in live + admitted})
-                if not self._resident_fits(live + admitted, head, reserved):
+                choice = self._choose_prompt_slot(head, admitted)
+                if not self._resident_fits(live + admitted, head, reserved, choice[0]):
                     break
             self.waiting.popleft()
-            head.prompt_slot = self.cache.take_prompt_slot()
+            self._take_prompt_slot(head, *choice)
             reserved += head.n
             admitted.append(head)
         if admitted:  # what attention may read from now on must be zeroed (see KVCache)
@@ -103,10 +118,54 @@ class Scheduler:
         every slot zeroed as far as the longest of them may be read."""
         return samples, max(r.sample_need for r in requests), prompt_slots, max(r.prompt_len for r in requests)
 
-    def _resident_fits(self, running: list[Request], head: Request, reserved: int) -> bool:
+    def _choose_prompt_slot(self, head: Request, admitted: list[Request]) -> tuple:
+        """Where ``head``'s prompt goes: (free slot, prompt positions it need not compute, slot they
+        are copied from or None, request admitted before it in this step that computes them or None)."""
+        cache = self.cache
+        free = cache.free_prompt_slots
+        if not self.prefix_caching:
+            return free[-1], 0, None, None
+        prefixes = cache.prefixes
+        ids = _array(head)
+        taken = set(range(len(prefixes.tokens))).difference(free)
+        (slot, shared), (used, in_use) = (
+            (best, 0 if best is None else _reusable(head, length, prefixes.scores[best]))
+            for best, length in (prefixes.best(ids, free), prefixes.best(ids, taken)))
+        source, longer = None, max(shared, in_use) + SECOND_FORWARD_GAIN
+        for other in admitted:
+            if other.source is None:  # its prefill runs in the first forward
+                length = _reusable(head, common_prefix(_array(other), ids), other)
+                if length >= longer:
+                    source, longer = other, length
+        if source is not None:
+            return prefixes.spare(free), longer, source.prompt_slot, source
+        if shared and shared >= in_use:
+            return slot, shared, None, None
+        if in_use:
+            return prefixes.spare(free), in_use, used, None
+        return prefixes.spare(free), 0, None, None
+
+    def _take_prompt_slot(self, head: Request, slot: int, cached: int, copy_from: int | None,
+                          source: Request | None) -> None:
+        prefixes = self.cache.prefixes
+        head.prompt_slot = self.cache.take_prompt_slot(slot)
+        head.cached, head.copy_from, head.source = cached, copy_from, source
+        if not self.prefix_caching:  # (switched off while the engine ran: what slots held is now stale)
+            prefixes.forget(slot)
+            return
+        held = prefixes.scores[slot if copy_from is None else copy_from]
+        if head.params.prompt_logprobs is not None and source is None and cached:
+            head.prompt_scores = held.prefix(cached + 1)  # the shared tokens' and the next one's
+        # Until its prefill is done the slot holds only the part it keeps.
+        if copy_from is None and cached:
+            prefixes.hold(slot, head.prompt_ids[:cached], None if held is None else held.prefix(cached))
+        else:
+            prefixes.forget(slot)
+
+    def _resident_fits(self, running: list[Request], head: Request, reserved: int, slot: int) -> bool:
         """Whether the cache stays within its budget once ``head`` joins the ``running`` requests
-        (the memory ``ready`` would zero for them all; ``head`` gets the next free prompt slot)."""
-        prompt_slots = [r.prompt_slot for r in running] + [self.cache.free_prompt_slots[-1]]
+        (the memory ``ready`` would zero for them all; ``head`` gets prompt slot ``slot``)."""
+        prompt_slots = [r.prompt_slot for r in running] + [slot]
         zeroing = self._zeroing(running + [head], prompt_slots, len(self.slots) + reserved + head.n)
         return self.cache.resident_after(*zeroing) <= self.cache.capacity
 
@@ -157,6 +216,33 @@ class Scheduler:
             if request.unfinished == 0:
                 self.cache.release_prompt_slot(request.prompt_slot)
         return dropped
+
+
+def _array(request: Request) -> np.ndarray:
+    """The request's prompt as an array (made once)."""
+    if request.prompt_array is None:
+        request.prompt_array = np.asarray(request.prompt_ids, dtype=np.int64)
+    return request.prompt_array
+
+
+def _reusable(request: Request, shared: int, scores) -> int:
+    """Of ``shared`` leading prompt tokens held elsewhere, how many ``request``'s prefill may skip:
+    never its last (whose row gives its first tokens), and where it asks for its prompt's
+    log-probabilities, only tokens whose scores are held too (``scores``: a ``PromptScores``, or
+    the request computing them), with as many top tokens, and one fewer (the row before a token
+    scores it)."""
+    shared = min(shared, request.prompt_len - 1)
+    top = request.params.prompt_logprobs
+    if top is None or shared <= 0:
+        return max(shared, 0)
+    if isinstance(scores, Request):
+        wanted = scores.params.prompt_logprobs
+        held, held_top = (0, 0) if wanted is None else (scores.prompt_len, wanted)
+    else:
+        held, held_top = (0, 0) if scores is None else (len(scores), scores.top)
+    if held_top < top:
+        return 0
+    return max(min(shared, held) - 1, 0)
 
 
 def _fits(request: Request, shape: CacheShape) -> bool:

@@ -71,6 +71,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
               spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+              enable_prefix_caching=args.enable_prefix_caching,
               generation_config=args.generation_config)
     if llm.generation_defaults:  # as vLLM says it: a request's results may differ from OpenAI's defaults
         print(f"multispec: default sampling settings from the model's generation config: {llm.generation_defaults} "

@@ -22,7 +22,7 @@ from multispec.serve.errors import APIError, from_exception
 from multispec.serve.formats import Choice
 from multispec.serve.metrics import Metrics
 from multispec.serve.sampling import EngineInputs
-from multispec.serve.schemas import SpeculationFigures, Usage
+from multispec.serve.schemas import PromptTokensDetails, SpeculationFigures, Usage
 
 
 class Traffic:
@@ -101,6 +101,7 @@ class Tally:
     def __init__(self, prompts: list[list[int]]):
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_tokens = 0
+        self.cached_tokens: dict[int, int] = {}
         self.metrics: dict[int, RequestMetrics] = {}
         self.first_token: float | None = None
 
@@ -109,12 +110,14 @@ class Tally:
         if tokens and self.first_token is None:
             self.first_token = time.monotonic()
         self.completion_tokens += tokens
+        self.cached_tokens[index] = out.num_cached_tokens
         if out.metrics is not None:
             self.metrics[index] = out.metrics
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
     def speculation(self) -> SpeculationFigures:
         parts = self.metrics.values()

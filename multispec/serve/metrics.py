@@ -60,7 +60,9 @@ class _EngineCollector(Collector):
         engine = self.async_llm.engine
         stats = engine.stats
         counters = {
-            "prompt_tokens": ("prompt tokens prefilled", stats.prompt_tokens),
+            "prompt_tokens": ("prompt tokens prefilled (computed or reused)", stats.prompt_tokens),
+            "prefix_cache_hits": ("prompt tokens whose keys and values were reused from earlier prompts",
+                                  stats.cached_prompt_tokens),
             "generation_tokens": ("tokens generated", stats.generated_tokens),
             "decode_forwards": ("target forwards of decode steps", stats.decode_forwards),
             "drafted_tokens": ("draft tokens verified", stats.drafted_tokens),

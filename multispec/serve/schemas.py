@@ -177,10 +177,16 @@ class DetokenizeResponse(BaseModel):
 
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens whose keys and values came from earlier prompts (prefix caching)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class SpeculationFigures(BaseModel):

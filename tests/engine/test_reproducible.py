@@ -151,7 +151,8 @@ def test_admission_order_does_not_change_seeded_samples(llm):
 def test_sampled_drafts_are_reproducible_and_batch_independent(llm):
     """Sampled drafts need more random numbers (the draws of the drafts, the accept tests), keyed
     the same way: with a fixed draft shape the same seed gives the same samples run to run
-    (bit for bit: the same batch shapes round the same way) and whatever shares the batch.
+    (bit for bit: the same batch shapes round the same way, where the prompt is computed as the
+    first time rather than continued from the prefix cache) and whatever shares the batch.
 
     Sampled drafts are drawn from the siblings' texts, so once one sample parts at a numerical
     tie (another batch shape rounds its logits differently), the drafts of its siblings change
@@ -164,6 +165,7 @@ def test_sampled_drafts_are_reproducible_and_batch_independent(llm):
     params = SamplingParams(n=6, temperature=1.0, max_tokens=24, seed=SEED)
     first = llm.chat(conversations[:1], params, spec)
     assert llm.last_stats.accepted_tokens > 0
+    llm.reset_prefix_cache()  # else the prompt is computed again from the cache, in other shapes
     again = llm.chat(conversations[:1], params, spec)
     assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in first[0].outputs]
     batched = llm.chat(conversations, [params, SamplingParams(n=5, temperature=0.8, max_tokens=20, seed=1)], spec)[0]

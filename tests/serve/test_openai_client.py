@@ -420,6 +420,23 @@ def test_metrics_count_requests_tokens_and_speculation(server, client):
     assert samples["multispec_engine_healthy"] == 1.0
 
 
+def test_usage_counts_prompt_tokens_from_the_prefix_cache(server, client, tiny):
+    """A prompt sent again (or continued) computes only what the cache did not hold: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` says how many, and the metrics count them."""
+    prompt = "Seven violet herons fold the river maps of Ulm"
+    length = len(tiny.tokenizer.encode(prompt))
+    before = server.metrics()["multispec_prefix_cache_hits_total"]
+    first, again = (client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+                    for _ in range(2))
+    cached = [out.usage.prompt_tokens_details.cached_tokens for out in (first, again)]
+    assert cached[0] < length // 2 and cached[1] == length - 1  # (the first may share a token or so)
+    assert again.choices[0].text == first.choices[0].text
+    assert server.metrics()["multispec_prefix_cache_hits_total"] - before == sum(cached)
+    chats = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt + " twice"}],
+                                            max_tokens=2, temperature=0) for _ in range(2)]
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == chats[1].usage.prompt_tokens - 1
+
+
 def test_tokenize_and_detokenize_as_vllm(server, tiny):
     """vLLM's /tokenize (a prompt, or a chat through the template and its options), /detokenize and
     /tokenizer_info: the ids the completions and chat endpoints run on, their text back, and the
