@@ -28,8 +28,12 @@ class PrefillAttention:
         self.cache = cache
         self.segments = segments
         self.starts = starts or [0] * len(segments)
-        # Where a segment continues what its slot holds, row i sees positions up to start + i.
-        self.masks = [None if start == 0 else
+        # Where a segment continues what its slot holds, row i sees positions up to start + i: a
+        # mask where the rows are few beside what they continue; else the fused causal kernel over
+        # the whole prompt with zero rows in front (a mask makes the CPU kernel compute every
+        # block, masked or not: 10.4 against 8.2 ms a layer for 747 rows continuing 3 positions,
+        # float32; 1.1 against 8.2 ms for 60 rows continuing 700). Both give the same bits.
+        self.masks = [None if start < length else
                       torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start)
                       for (_, length), start in zip(segments, self.starts)]
 
@@ -46,15 +50,17 @@ class PrefillAttention:
             # Attention reads them back as stored (rounded, where the cache is narrower than the
             # activations), as every later step does: a prompt reads the same keys and values
             # whether it continues a cached prefix or is computed whole.
-            if mask is not None or keys.dtype != q.dtype:
+            if start or keys.dtype != q.dtype:
                 kk = keys[:, :start + length].to(q.dtype)
                 vv = values[:, :start + length].to(q.dtype)
+            rows = q[begin:end].transpose(0, 1)
+            if start and mask is None:
+                rows = torch.cat([rows.new_zeros(rows.shape[0], start, rows.shape[2]), rows], 1)
             # With a batch dimension the CPU runs its fused (flash) kernel; without one, the
             # unfused reference (2-4.7x slower at 128-2048 tokens).
             out = torch.nn.functional.scaled_dot_product_attention(
-                q[begin:end].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask, is_causal=mask is None,
-                enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1))
+                rows[None], kk[None], vv[None], attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            outputs.append(out[0, :, -length:].transpose(0, 1))
             begin = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

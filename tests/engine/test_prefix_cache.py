@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import pytest
 import torch
 
 from multispec import LLM, SamplingParams
@@ -100,6 +99,22 @@ def test_continued_prompt_computes_only_the_rest(llm):
     for got, expected in zip((first, continued, again), want):
         assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert all(o.num_cached_tokens == 0 for o in want)
+
+
+def test_long_continuation_of_a_short_prefix(llm):
+    """More new rows than held positions: attention runs causal over the whole prompt with zero
+    rows in front of the new ones (the masked form serves the other case)."""
+    short = ids_of(llm, "Brass owls of Mirefield:")
+    longer = short + ids_of(llm, " they nest in clock towers and wake at the twelfth chime of every night. " * 4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    with no_prefix_caching(llm):
+        want = run(llm, [longer], greedy)[0]
+    run(llm, [short], greedy)
+    got = run(llm, [longer], greedy)[0]
+    assert got.num_cached_tokens == len(short) < len(longer) - len(short)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
 
 
 def test_prompts_admitted_together_share_their_prefix(llm):
@@ -195,9 +210,7 @@ def test_prompt_logprobs_are_not_taken_from_a_prompt_that_had_none(llm):
     assert asks[0].num_cached_tokens == 0 and len(asks[0].prompt_logprobs) == len(asks[0].prompt_token_ids)
 
 
-def test_switched_off(llm, successor_dir):
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(str(successor_dir), device="cpu", dtype="float32", enable_prefix_caching="yes")
+def test_switched_off(successor_dir):
     off = LLM(str(successor_dir), device="cpu", dtype="float32", enable_prefix_caching=False)
     prompt = list(range(3, 60))
     outs = [run(off, [prompt], SamplingParams(temperature=0, max_tokens=4))[0] for _ in range(2)]
