@@ -128,6 +128,8 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every prompt the cache holds (vLLM's method): later prompts compute all their
         tokens until the cache fills again. True once done."""
+        if self.engine.driver is not None:  # its thread may be choosing slots from what is held
+            raise RuntimeError(f"this LLM's engine is stepped by {self.engine.driver}; use that, or shut it down")
         self.engine.reset_prefix_cache()
         return True
 

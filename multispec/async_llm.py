@@ -106,6 +106,15 @@ class AsyncLLM:
         """Stop a request (thread-safe; unknown ids are ignored)."""
         self._command(("abort", request_id, None))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every prompt the cache holds (vLLM's method), on the engine's thread between two
+        steps; True once done."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.error}")
+        done = threading.Event()
+        self._command(("reset", done))
+        return await asyncio.get_running_loop().run_in_executor(None, done.wait, 60.0)
+
     def shutdown(self) -> None:
         """Stop the engine loop; open streams get an error."""
         self._stopping = True
@@ -149,7 +158,10 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
+            if command[0] == "reset":
+                self.engine.reset_prefix_cache()
+                command[1].set()
+            elif command[0] == "add":
                 _, request, loop, outputs = command
                 if request.request_id in self._streams or request.request_id in self.engine.requests:
                     error = ValueError(f"request_id={request.request_id!r} is already in use")

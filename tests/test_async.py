@@ -92,6 +92,17 @@ def test_bad_requests_raise_when_read_and_the_loop_stays_healthy(tiny):
             assert async_llm.healthy
             with pytest.raises(RuntimeError, match="AsyncLLM"):  # one driver at a time
                 tiny.generate([[5, 6]], SamplingParams())
+            with pytest.raises(RuntimeError, match="AsyncLLM"):
+                tiny.reset_prefix_cache()
+            # The prefix cache, emptied on the engine's thread.
+            prompt, once = list(range(40, 90)), SamplingParams(max_tokens=2, ignore_eos=True)
+            cached = []
+            for reset in (False, False, True):
+                if reset:
+                    assert await async_llm.reset_prefix_cache()
+                outs = [out async for out in async_llm.generate(prompt, once, output_kind=RequestOutputKind.CUMULATIVE)]
+                cached.append(outs[-1].num_cached_tokens)
+            assert cached[1] == len(prompt) - 1 and cached[2] == 0
         finally:
             async_llm.shutdown()
 

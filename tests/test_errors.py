@@ -141,6 +141,26 @@ def test_sampled_drafts_none_is_each_drafters_own_way():
         assert _spec(args).sampled_drafts is want
 
 
+def test_every_command_switches_prefix_caching(monkeypatch):
+    """``--enable-prefix-caching`` (the default) and ``--no-enable-prefix-caching`` on every command
+    that loads a model, passed on to the ``LLM`` it builds."""
+    from multispec import api
+    from multispec.cli import _llm, build_parser
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["gsm8k"], ["eval", "--task", "gsm8k"],
+                    ["batch", "--input", "a", "--output", "b"], ["serve"]):
+        assert parser.parse_args(command).enable_prefix_caching is True
+        assert parser.parse_args([*command, "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    built = {}
+    monkeypatch.setattr(api.LLM, "__init__", lambda self, *a, **options: built.update(options))
+    monkeypatch.setattr(api.LLM, "dtype", "float32", raising=False)
+    monkeypatch.setattr(api.LLM, "kv_cache_dtype", "float32", raising=False)
+    monkeypatch.setattr(api.LLM, "device", "cpu", raising=False)
+    _llm(parser.parse_args(["generate", "--prompt", "x", "--no-enable-prefix-caching"]))
+    assert built["enable_prefix_caching"] is False
+
+
 def test_spec_config_checks_the_scheme_against_the_temperature():
     spec = SpecConfig(scheme="greedy")  # exact at temperature 0 only
     spec.check_temperature(0.0)
@@ -160,6 +180,8 @@ LLM_BAD = [
     ({"max_model_len": "100"}, "max_model_len='100'"), ({"max_model_len": 1.5}, "max_model_len=1.5"),
     ({"spec": "consensus"}, "spec='consensus'"), ({"spec": {"drafter": "consensus"}}, "spec={"),
     ({"cache_dir": 5}, "cache_dir=5"), ({"device": "tpu"}, "device='tpu'"), ({"device": "cuda:99"}, "device='cuda:99'"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching='yes'"),
+    ({"enable_prefix_caching": 1}, "enable_prefix_caching=1"),
 ]
 
 
