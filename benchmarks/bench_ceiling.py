@@ -116,7 +116,7 @@ def step_costs(cells: list[str], lengths: list[int], repeats: int, context: int,
     from multispec.reasoning import load_gsm8k
 
     shapes = shapes or CELLS
-    llm = LLM(device=device, dtype=dtype)
+    llm = LLM(device=device, dtype=dtype, enable_prefix_caching=False)
     conversations = [p.chat() for p in load_gsm8k(limit=8)]
     deepest = max(lengths)
     accepted: dict[str, tuple[int, int]] = {}

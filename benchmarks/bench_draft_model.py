@@ -150,7 +150,7 @@ def main() -> None:
     cells = CELLS if args.cells is None else [CELLS[int(i)] for i in args.cells.split(",")]
     from multispec import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
     print(f"model {args.model} on {llm.device}, {llm.dtype}; draft head {args.draft_head or 'shipped'}",
           file=sys.stderr)
     if any(r in ("consensus", "model-auto", "hybrid", "hybrid-copied") for r in rows):

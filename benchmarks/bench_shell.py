@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     from multispec import LLM
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
     cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
     plain_speed(llm, 1, 4, 16, 0)  # warm-up
     speeds: dict[tuple[int, int], list[float]] = {}

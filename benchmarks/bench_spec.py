@@ -231,7 +231,7 @@ def main() -> None:
         if unknown:
             sys.exit(f"unknown rows {', '.join(unknown)}; rows are {', '.join(ROWS)}")
         try:
-            llm = LLM(args.model, device=args.device, dtype=args.dtype)
+            llm = LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
         except ValueError as error:
             sys.exit(f"bench_spec: {error}")
         print(f"model {args.model} on {llm.device}, {llm.dtype}", file=sys.stderr)

@@ -80,7 +80,7 @@ def main() -> None:
     for name, setting in zip(NAMES, ("0", "1")):
         os.environ["MULTISPEC_HUGE_PAGES"] = setting
         before = huge_page_bytes()
-        engines[name] = LLM()
+        engines[name] = LLM(enable_prefix_caching=False)
         print(f"{name}: {(huge_page_bytes() - before) / 2**20:.0f} MiB of the process on huge pages after loading")
     os.environ.pop("MULTISPEC_HUGE_PAGES")
     print(f"weights {str(engines[NAMES[0]].dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads")

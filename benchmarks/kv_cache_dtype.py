@@ -61,7 +61,8 @@ def main() -> None:
     from multispec import LLM, SamplingParams
     from multispec.reasoning import load_gsm8k
 
-    engines = {"model dtype": LLM(), "bfloat16 cache": LLM(kv_cache_dtype="bfloat16")}
+    engines = {"model dtype": LLM(enable_prefix_caching=False),
+               "bfloat16 cache": LLM(kv_cache_dtype="bfloat16", enable_prefix_caching=False)}
     first = next(iter(engines.values()))
     print(f"weights {str(first.dtype).removeprefix('torch.')}; caches: "
           + ", ".join(f"{name} {str(llm.kv_cache_dtype).removeprefix('torch.')}" for name, llm in engines.items()))

@@ -11,7 +11,9 @@
 One model, the variants interleaved round by round (off, on, on, off, ...) with the cache emptied
 before each (``LLM.reset_prefix_cache``), so that "on" reuses only what the workload itself
 computed. Prints per workload the median wall and prefill seconds of each variant, the prompt
-tokens reused, and the median of the per-round ratios.
+tokens reused, the median of the per-round ratios, and the tokens each variant generated: in
+bfloat16 a continued prompt's rows round differently from a whole one's, so seeded texts can part
+at near-ties and the decode work differ (float32 keeps them equal, bar rare ties).
 
     python benchmarks/prefix_cache.py                 # all three, 3 rounds
     python benchmarks/prefix_cache.py --workloads chat --rounds 5 --dtype float32
@@ -69,8 +71,9 @@ def score(llm, rounds_seed: int):
             for c in (12, 18, 20, 24, 36, 40, 48, 60)]
 
 
-def run_once(llm, name: str, caching: bool, seed: int) -> tuple[float, float, int, int]:
-    """Wall and prefill seconds, prompt tokens and those reused, for one pass of a workload."""
+def run_once(llm, name: str, caching: bool, seed: int) -> tuple[float, float, int, int, int]:
+    """Wall and prefill seconds, prompt tokens, those reused and tokens generated, for one pass of
+    a workload."""
     calls = globals()[name](llm, seed)
     llm.reset_prefix_cache()
     llm.engine.scheduler.prefix_caching = caching
@@ -81,7 +84,7 @@ def run_once(llm, name: str, caching: bool, seed: int) -> tuple[float, float, in
     wall = time.perf_counter() - start
     done = llm.engine.stats.since(before)
     llm.engine.scheduler.prefix_caching = True
-    return wall, done.time_prefill, done.prompt_tokens, done.cached_prompt_tokens
+    return wall, done.time_prefill, done.prompt_tokens, done.cached_prompt_tokens, done.generated_tokens
 
 
 def main() -> None:
@@ -101,8 +104,8 @@ def main() -> None:
     llm = LLM(dtype=args.dtype)
     print(f"{llm.dtype}, {torch.get_num_threads()} threads, {args.rounds} rounds\n")
     print("| workload | prompt tokens | reused | wall s off | wall s on | wall on/off | prefill s off | "
-          "prefill s on | prefill on/off |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "prefill s on | prefill on/off | generated off / on |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         run_once(llm, name, True, 0)  # warm-up: shapes, kernels, memory
         runs = {False: [], True: []}
@@ -114,7 +117,8 @@ def main() -> None:
         wall = statistics.median(b[0] / a[0] for a, b in zip(off, on))
         prefill = statistics.median(b[1] / a[1] for a, b in zip(off, on))
         print(f"| {name} | {on[0][2]} | {on[0][3]} | {med(off, 0):.2f} | {med(on, 0):.2f} | {wall:.2f} | "
-              f"{med(off, 1):.2f} | {med(on, 1):.2f} | {prefill:.2f} |", flush=True)
+              f"{med(off, 1):.2f} | {med(on, 1):.2f} | {prefill:.2f} | {med(off, 4):.0f} / {med(on, 4):.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

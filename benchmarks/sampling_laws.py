@@ -42,7 +42,7 @@ def main() -> None:
     from multispec import LLM, SamplingParams, SpecConfig
     from multispec.reasoning import load_gsm8k
 
-    llm = LLM()
+    llm = LLM(enable_prefix_caching=False)
     conversations = [p.chat() for p in load_gsm8k(limit=args.questions)]
     llm.chat(conversations[:1], SamplingParams(n=args.n, max_tokens=16), use_tqdm=False)
     if args.speculate:

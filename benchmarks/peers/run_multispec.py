@@ -41,6 +41,7 @@ def main() -> None:
     log(NAME, f"{llm.model_name} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}, drafter {args.drafter}")
 
     def call(seed: int) -> tuple[int, dict]:
+        llm.reset_prefix_cache()  # every call prefills its prompts, as vLLM's runner has it
         params = SamplingParams(n=args.n, temperature=workload["temperature"], top_p=workload["top_p"],
                                 max_tokens=args.max_tokens, seed=seed)
         outputs = llm.chat(workload["conversations"], params, spec=spec, use_tqdm=False)
