@@ -125,7 +125,7 @@ class Sample:
             if (self.finish_reason == "stop" and ids and ids[-1] in self.request.stop_ids
                     and not self.request.params.include_stop_str_in_output):
                 ids = ids[:-1]  # the stop token that ended the sample (the only stop without a stream)
-            return tokenizer.decode(ids, skip_special_tokens=self.request.params.skip_special_tokens)
+            return tokenizer.decode_complete(ids, skip_special_tokens=self.request.params.skip_special_tokens)
         if self.finished or not self.request.params.stop:
             return self.text
         return self.text[: max(0, len(self.text) - self.request.longest_stop + 1)]

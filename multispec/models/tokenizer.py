@@ -125,6 +125,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_complete(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``decode``, less a last character the ids leave unfinished (a multi-byte character cut
+        short, which ``decode`` shows as U+FFFD): the text ``stream``'s pieces add up to, as
+        vLLM's detokenizer gives it."""
+        text = self.decode(ids, skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return text
+        step = self.stream(skip_special_tokens)
+        return "".join(step(token) for token in ids)
+
     def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """Incremental decoding (``tokenizers``' DecodeStream): a function that takes the next token
         id and returns the text it completes, "" while a multi-byte character is still open; the

@@ -295,3 +295,18 @@ def test_draft_calibration_outlives_a_call(llm, monkeypatch):
     llm.generate("Count: 1, 2, 3,", SamplingParams(n=4, temperature=0, max_tokens=8), spec, use_tqdm=False)
     assert len(llm.engine.lanes) == 2  # greedy acceptance is calibrated on its own
     llm.engine.lanes.clear()  # their budgets hold the prices above
+
+
+def test_text_decoded_at_the_end_leaves_an_unfinished_character_out(tiny):
+    """A sample cut inside a multi-byte character: its text decoded once at the end (no stop
+    strings, final outputs only) is the text made as tokens arrive (with a stop string, or
+    streamed, as the server's), which leaves the unfinished character out as vLLM's detokenizer
+    does, rather than showing U+FFFD."""
+    chat = [{"role": "user", "content": "The quick brown fox"}]
+    settings = dict(n=2, temperature=1.0, seed=4, max_tokens=12)
+    final = tiny.chat(chat, SamplingParams(**settings), use_tqdm=False)[0].outputs
+    arriving = tiny.chat(chat, SamplingParams(stop=["never in this text"], **settings), use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in arriving] == [c.token_ids for c in final]
+    assert any(tiny.tokenizer.decode(c.token_ids).endswith("\ufffd") for c in final), "pick another seed"
+    assert [c.text for c in final] == [c.text for c in arriving]
+    assert not any(c.text.endswith("\ufffd") for c in final)
