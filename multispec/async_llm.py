@@ -50,18 +50,20 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, spec: SpecConfig | None = None,
-                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA, *,
+                       grammar_after: int | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (by default only what is new each time, see
         ``RequestOutputKind``); the last has ``finished`` set. The request is checked before it is
         queued (a ValueError here, as from ``LLM.generate``). Leaving the loop early, or
-        cancelling the task that reads, aborts the request."""
+        cancelling the task that reads, aborts the request. ``grammar_after``: see
+        ``LLMEngine.make_request``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, prompt
-        async for out in self._stream(text, ids, sampling_params, request_id, spec, output_kind):
+        async for out in self._stream(text, ids, sampling_params, request_id, spec, output_kind, grammar_after):
             yield out
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
@@ -80,12 +82,12 @@ class AsyncLLM:
                                       request_id, spec, output_kind):
             yield out
 
-    async def _stream(self, text, ids, sampling_params, request_id, spec, output_kind):
+    async def _stream(self, text, ids, sampling_params, request_id, spec, output_kind, grammar_after=None):
         if self.error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.error}")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         request = self.engine.make_request(request_id, ids, sampling_params or SamplingParams(), spec, prompt=text,
-                                           output_kind=output_kind)
+                                           output_kind=output_kind, grammar_after=grammar_after)
         outputs: asyncio.Queue = asyncio.Queue()
         self._command(("add", request, asyncio.get_running_loop(), outputs))
         finished = False

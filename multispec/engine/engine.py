@@ -29,7 +29,7 @@ from multispec.drafters import DraftTree
 from multispec.engine.attention import DecodeAttention, PrefillAttention
 from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
-from multispec.engine.grammar import Grammars
+from multispec.engine.grammar import AfterToken, Grammars
 from multispec.engine.lane import Lane, lane_key
 from multispec.engine.prefix import PromptScores
 from multispec.engine.rules import prompt_rows, ruled, ruled_now
@@ -143,10 +143,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      spec: SpecConfig | None = None, *, prompt: str | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, name: str | None = None) -> Request:
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, name: str | None = None,
+                     grammar_after: int | None = None) -> Request:
         """A request checked against the model and the cache, not yet queued (``enqueue``); the
         check is the whole of ``add_request``'s, so a caller can check several before queuing any.
         ``name``: how error messages call its prompt (default: "the prompt of request <id>").
+        ``grammar_after``: a token after which ``structured_outputs`` starts to rule each sample
+        (a reasoning model's end of thinking; already past where the prompt holds it), as vLLM
+        starts it under a reasoning parser; None: from the first token.
 
         ``max_tokens`` past the context window is clipped to it, as vLLM's offline ``LLM`` does:
         such samples end with finish_reason "length"."""
@@ -202,6 +206,11 @@ class LLMEngine:
         request.bad_words_ids = self._bad_words_ids(params.bad_words or ())
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(params.structured_outputs)
+            if grammar_after is not None:
+                if isinstance(grammar_after, bool) or not isinstance(grammar_after, Integral) or \
+                        not 0 <= grammar_after < self.vocab_size:
+                    raise ValueError(f"grammar_after={grammar_after!r}: must be a token id below {self.vocab_size}")
+                request.grammar = AfterToken(request.grammar, int(grammar_after), grammar_after in ids)
         self.scheduler.check_fits(request)
         return request
 
@@ -747,10 +756,3 @@ class LLMEngine:
             hidden = self.model.hidden_states(ids, positions, PrefillAttention(cache, list(zip(slots, lengths))))
         return list(hidden.split(lengths))
 
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

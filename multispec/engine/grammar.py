@@ -14,6 +14,7 @@ leaves them.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 
@@ -150,3 +151,54 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> No
     allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
     index = index.to(logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+class AfterToken:
+    """A matcher that rules only after ``token`` (a reasoning model's ``</think>``, as vLLM starts a
+    reasoning request's structured output): until that token every token is allowed, ``token``
+    itself opens the grammar, and from there ``inner`` rules. It answers the calls the engine makes
+    on a matcher, counting the gate's own tokens in ``try_consume_tokens`` and ``rollback``, so a
+    draft path that crosses the gate is masked as the sample's text would be at each of its rows."""
+
+    def __init__(self, inner, token: int, opened: bool = False):
+        self.inner, self.token, self.opened = inner, token, opened
+        self._path: list[int] = []
+        """Per token taken on trial (``try_consume_tokens``): 0 before the gate, 1 the gate, 2 the grammar's."""
+
+    def deep_copy(self) -> AfterToken:
+        return AfterToken(self.inner.deep_copy(), self.token, self.opened)
+
+    def is_error(self) -> bool:
+        return self.inner.is_error()
+
+    def consume_token(self, token: int) -> bool:
+        if self.opened:
+            return self.inner.consume_token(token)
+        self.opened = token == self.token
+        return True
+
+    def try_consume_tokens(self, tokens: list[int]) -> int:
+        for i, token in enumerate(tokens):
+            if self.opened:
+                took = self.inner.try_consume_tokens(tokens[i:])
+                self._path += [2] * took
+                return i + took
+            self.opened = token == self.token
+            self._path.append(1 if self.opened else 0)
+        return len(tokens)
+
+    def rollback(self, count: int) -> None:
+        inner = 0
+        for _ in range(count):
+            kind = self._path.pop()
+            inner += kind == 2
+            if kind == 1:
+                self.opened = False
+        if inner:
+            self.inner.rollback(inner)
+
+    def unsafe_compute_mask_ptr(self, address: int, size: int) -> None:
+        if self.opened:
+            self.inner.unsafe_compute_mask_ptr(address, size)
+        else:
+            ctypes.memset(address, 0xFF, size)

@@ -31,6 +31,7 @@ from multispec.serve.sampling import (Limits, chat_inputs, chat_prompt, completi
                                       tool_mode)
 from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from multispec.serve.tools import REASONING_PARSERS
 
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before the answer (nginx's convention)."""
@@ -144,9 +145,15 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
         if config.reasoning_parser is not None and inputs.params.structured_outputs is not None:
+            # As vLLM: the constraint rules the answer, from the token that ends the thinking on.
             _, name = structured_outputs(body)
-            raise invalid(name, f"{name}: constraints on the text start at its first token here, so with "
-                                f"--reasoning-parser they would constrain the model's thinking too; not supported")
+            end = REASONING_PARSERS[config.reasoning_parser].end
+            inputs.grammar_after = engine.tokenizer.token_to_id(end)
+            if name == "tool_choice":  # forced calls are read from the whole text, thinking included
+                raise invalid(name, "a forced tool_choice with --reasoning-parser is not supported; use 'auto'")
+            if inputs.grammar_after is None:
+                raise invalid(name, f"{name}: with --reasoning-parser the constraint starts after {end!r}, which is "
+                                    f"no single token of this model's vocabulary")
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
             inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),

@@ -50,6 +50,9 @@ class EngineInputs:
     generate: bool = True
     """False for ``echo`` with ``max_tokens`` 0: the prompt alone is reported (one token is
     generated and left out)."""
+    grammar_after: int | None = None
+    """The token after which ``params.structured_outputs`` rules (a reasoning model's end of
+    thinking, under ``--reasoning-parser``); None: from the first token."""
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """A server started with ``--reasoning-parser deepseek_r1``: chat answers' thinking apart from
 their content (``message.reasoning``, as vLLM names it), whole and streamed, and constraints on the
-text refused (they would constrain the thinking too)."""
+text ruling from the end of the thinking on (refused where the vocabulary has no ``</think>``
+token, and for forced tool calls)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ CHAT = [{"role": "user", "content": "The quick brown fox"}]
 
 def test_thinking_is_reasoning_and_constraints_are_refused(successor_dir, tiny):
     """The tiny model never writes </think>, so its whole answer is thinking cut short: reasoning
-    is LLM.chat's text and content is null, streamed as delta.reasoning. A JSON schema is refused
-    with 400 naming the field."""
+    is LLM.chat's text and content is null, streamed as delta.reasoning. A JSON object is refused
+    with 400 naming the field: its vocabulary has no </think> token to start it after."""
     settings = dict(model="tiny", messages=CHAT, n=2, temperature=1.0, seed=4, max_tokens=12)
     want = tiny.chat(CHAT, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=12), use_tqdm=False)[0].outputs
     want = [c.text for c in want]
@@ -35,3 +36,26 @@ def test_thinking_is_reasoning_and_constraints_are_refused(successor_dir, tiny):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(response_format={"type": "json_object"}, **settings)
         assert caught.value.body["param"] == "response_format"
+
+
+def test_a_constraint_rules_from_the_end_of_the_thinking(successor_dir, tiny, monkeypatch):
+    """The constraint starts after the token that ends the thinking (here a stand-in: the tiny
+    vocabulary has no </think>, so the server is told that the third token the seeded answer writes
+    is it): the answer is LLM.chat's up to that token, then the constrained text. A forced tool
+    call is refused."""
+    settings = dict(model="tiny", messages=CHAT, n=1, temperature=1.0, seed=4, max_tokens=24)
+    free = tiny.chat(CHAT, SamplingParams(n=1, temperature=1.0, seed=4, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    end = free.token_ids[2]
+    with ThreadServer(successor_dir, reasoning_parser="deepseek_r1") as server:
+        tokenizer = server.engine.tokenizer
+        real = tokenizer.token_to_id
+        monkeypatch.setattr(tokenizer, "token_to_id", lambda text: end if text == "</think>" else real(text))
+        client = server.client()
+        out = client.chat.completions.create(extra_body={"structured_outputs": {"choice": [" lazy dog"]}}, **settings)
+        text = out.choices[0].message.model_extra["reasoning"]
+        assert text == tokenizer.decode(free.token_ids[:3]) + " lazy dog", text
+        assert out.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                           tool_choice="required", **settings)
+        assert caught.value.body["param"] == "tool_choice"
