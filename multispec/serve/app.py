@@ -149,8 +149,6 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             _, name = structured_outputs(body)
             end = REASONING_PARSERS[config.reasoning_parser].end
             inputs.grammar_after = engine.tokenizer.token_to_id(end)
-            if name == "tool_choice":  # forced calls are read from the whole text, thinking included
-                raise invalid(name, "a forced tool_choice with --reasoning-parser is not supported; use 'auto'")
             if inputs.grammar_after is None:
                 raise invalid(name, f"{name}: with --reasoning-parser the constraint starts after {end!r}, which is "
                                     f"no single token of this model's vocabulary")

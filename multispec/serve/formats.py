@@ -256,8 +256,8 @@ class ChatFormat:
             calls = [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
                      for call in json.loads(text)]
         except (ValueError, TypeError, KeyError):
-            return AssistantMessage(content=text)
-        return AssistantMessage(content="", tool_calls=calls)
+            return AssistantMessage(content=whole, reasoning=reasoning)
+        return AssistantMessage(content="", tool_calls=calls, reasoning=reasoning)
 
 
 def _tool_call(name: str, arguments: str) -> ToolCall:
