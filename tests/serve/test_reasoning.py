@@ -64,8 +64,9 @@ def test_a_constraint_rules_from_the_end_of_the_thinking(successor_dir, tiny, mo
         assert out.choices[0].finish_reason == "stop"
         schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"],
                   "additionalProperties": False}
-        out = client.chat.completions.create(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
-                                             tool_choice={"type": "function", "function": {"name": "f"}}, **settings)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        out = client.chat.completions.create(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}},
+                                             **settings)
         message = out.choices[0].message
         assert message.model_extra["reasoning"] == thinking
         # The tiny model pads JSON with whitespace, which the grammar allows: the arguments are a
