@@ -26,7 +26,7 @@ import numpy as np
 
 @dataclass
 class PromptScores:
-    """A prompt's log-probabilities as computed (``LLMEngine._prompt_logprobs``): per token the
+    """A prompt's log-probabilities as computed (``LLMEngine._prompt_scores``): per token the
     chosen token's value and rank, and the ``top`` likeliest (indices, values); entry 0 (the first
     token, which nothing scores) holds None."""
 

@@ -146,10 +146,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                              config.sampling_defaults)
         if config.reasoning_parser is not None and inputs.params.structured_outputs is not None:
             # As vLLM: the constraint rules the answer, from the token that ends the thinking on.
-            _, name = structured_outputs(body)
             end = REASONING_PARSERS[config.reasoning_parser].end
             inputs.grammar_after = engine.tokenizer.token_to_id(end)
             if inputs.grammar_after is None:
+                _, name = structured_outputs(body)  # (only to name the field)
                 raise invalid(name, f"{name}: with --reasoning-parser the constraint starts after {end!r}, which is "
                                     f"no single token of this model's vocabulary")
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
