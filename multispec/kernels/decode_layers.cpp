@@ -82,12 +82,25 @@ void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, 
   });
 }
 
+// One head of ``dim`` values in place: weight * round(x * rsqrt(mean(x^2) + eps)), rounded (the
+// RMSNorm of the Python path over the head).
+template <typename scalar_t>
+inline void norm_head(scalar_t* x, const scalar_t* weight, int64_t dim, float eps) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t d = 0; d < dim; ++d) squares += widen(x[d]) * widen(x[d]);
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) x[d] = narrow_to<scalar_t>(widen(weight[d]) * rounded<scalar_t>(widen(x[d]) * inv));
+}
+
 // Rotates the first ``heads`` heads of each of the ``rows`` rows of qkv (``rs`` elements apart, heads
 // ``dim`` apart) in place (the halves layout): x * cos + rotate_half(x) * sin, each product and the
-// sum rounded as in the Python path.
+// sum rounded as in the Python path. With ``q_norm`` and ``k_norm`` (Qwen3), each head is first
+// RMS-normalised, the first ``q_heads`` by ``q_norm``, the rest by ``k_norm``.
 template <typename scalar_t>
 void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor& cos, const at::Tensor& sin,
-            int64_t heads) {
+            int64_t heads, const scalar_t* q_norm = nullptr, const scalar_t* k_norm = nullptr, int64_t q_heads = 0,
+            float eps = 0.0f) {
   const int64_t half = dim / 2, hs = dim;
   const scalar_t* cp = cos.data_ptr<scalar_t>();
   const scalar_t* sp = sin.data_ptr<scalar_t>();
@@ -103,6 +116,7 @@ void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor
       }
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* x = p + r * rs + h * hs;
+        if (q_norm != nullptr) norm_head(x, h < q_heads ? q_norm : k_norm, dim, eps);
         for (int64_t d = 0; d < half; ++d) {
           const float a = widen(x[d]), b = widen(x[d + half]);
           const float lo = rounded<scalar_t>(a * c[d]) + rounded<scalar_t>(-b * s[d]);
@@ -160,7 +174,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                   at::TensorList o, const c10::List<std::optional<at::Tensor>>& o_bias, at::TensorList gate_up,
                   const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
                   const c10::List<std::optional<at::Tensor>>& down_bias, const at::Tensor& final_norm, bool packed,
-                  at::TensorList stream, int64_t stream_rows, int64_t heads, int64_t kv_heads, double eps,
+                  at::TensorList stream, int64_t stream_rows, at::TensorList q_norm, at::TensorList k_norm,
+                  int64_t heads, int64_t kv_heads, double eps,
                   const at::Tensor& sample_k, const at::Tensor& sample_v, const at::Tensor& prompt_k,
                   const at::Tensor& prompt_v, const multispec::AttentionIndex& index, double scale) {
   // Below autograd: the products' outputs live only inside the step (the caches are ordinary
@@ -208,7 +223,12 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     scalar_t* f = fused.data_ptr<scalar_t>();
     {
       LAYER_PART("rotary");
-      rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads);
+      if (q_norm.empty()) {
+        rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads);
+      } else {
+        rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads, q_norm[layer].data_ptr<scalar_t>(),
+                         k_norm[layer].data_ptr<scalar_t>(), heads, static_cast<float>(eps));
+      }
     }
     {
       LAYER_PART("attention");
@@ -262,8 +282,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const c10::List<std::optional<at::Tensor>>& o_bias, at::TensorList gate_up,
                          const c10::List<std::optional<at::Tensor>>& gate_up_bias, at::TensorList down,
                          const c10::List<std::optional<at::Tensor>>& down_bias, const at::Tensor& final_norm,
-                         bool packed, at::TensorList stream, int64_t stream_rows, int64_t heads, int64_t kv_heads,
-                         double eps, const at::Tensor& sample_k,
+                         bool packed, at::TensorList stream, int64_t stream_rows, at::TensorList q_norm,
+                         at::TensorList k_norm, int64_t heads, int64_t kv_heads, double eps, const at::Tensor& sample_k,
                          const at::Tensor& sample_v, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
                          const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
                          const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
@@ -285,6 +305,12 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                   "norm weights are contiguous [hidden] in the activations' dtype");
   TORCH_CHECK(final_norm.scalar_type() == x.scalar_type() && final_norm.is_contiguous() &&
                   final_norm.numel() == x.size(1), "the final norm's weight is contiguous [hidden]");
+  TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
+              "q and k norms: one of each per layer, or none");
+  for (at::TensorList list : {q_norm, k_norm})
+    for (const at::Tensor& w : list)
+      TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == sample_k.size(-1),
+                  "q and k norm weights are contiguous [head_dim] in the activations' dtype");
   // What the attention checks at every call of its operator, once for the step's thirty.
   TORCH_CHECK(sample_k.device().is_cpu() && sample_v.device().is_cpu() && prompt_k.device().is_cpu() &&
                   prompt_v.device().is_cpu(), "the caches are on the CPU");
@@ -299,12 +325,13 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
-                           down, down_bias, final_norm, packed, stream, stream_rows, heads, kv_heads, eps, sample_k,
-                           sample_v, prompt_k, prompt_v, index, scale);
+                           down, down_bias, final_norm, packed, stream, stream_rows, q_norm, k_norm, heads, kv_heads,
+                           eps, sample_k, sample_v, prompt_k, prompt_v, index, scale);
     case at::kBFloat16:
       return layers<c10::BFloat16>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
-                                   gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, heads,
-                                   kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, index, scale);
+                                   gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, q_norm,
+                                   k_norm, heads, kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, index,
+                                   scale);
     default:
       TORCH_CHECK(false, "decode_layers runs float32 and bfloat16 models");
   }
@@ -545,8 +572,8 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, "
         "Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
-        "Tensor?[] down_bias, Tensor final_norm, bool packed, Tensor[] stream, int stream_rows, int heads, "
-        "int kv_heads, float eps, "
+        "Tensor?[] down_bias, Tensor final_norm, bool packed, Tensor[] stream, int stream_rows, Tensor[] q_norm, "
+        "Tensor[] k_norm, int heads, int kv_heads, float eps, "
         "Tensor(a!) sample_k, Tensor(b!) sample_v, Tensor prompt_k, Tensor prompt_v, Tensor sample_slot, "
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
         "float scale) -> Tensor");

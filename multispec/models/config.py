@@ -35,8 +35,16 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
     },
+    "Qwen3ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "head_dim": 128,  # not hidden_size / heads: Qwen3's heads are wider than that
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
 }
-ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Scaled RoPE types that are defined relative to the pre-training context length.
@@ -50,7 +58,12 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` for plain RoPE; otherwise it holds ``rope_type`` plus
     that type's parameters (never ``rope_theta``, which has its own field).
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for
-    Llama it also puts a bias on o_proj, see the checkpoint's tensors).
+    Llama and Qwen3 it also puts a bias on o_proj, see the checkpoint's tensors).
+    ``qk_norm``: each head of q and k is RMS-normalised (its own weight per layer) before the
+    rotation (Qwen3). ``sliding_window``: the number of positions a query sees in the layers that
+    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``), None where every
+    layer attends to the whole sequence; the network attends to the whole sequence always, which
+    is the same thing for sequences of at most that length, so ``context_window`` stops there.
     """
 
     architecture: str
@@ -70,6 +83,15 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def context_window(self) -> int:
+        """The longest sequence (prompt and output) the network computes exactly."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -92,17 +114,19 @@ class ModelConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            head_dim=int(d.get("head_dim") or defaults.get("head_dim") or d["hidden_size"] // heads),
             max_position_embeddings=max_positions,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM"
-            or (architecture == "LlamaForCausalLM" and bool(d.get("attention_bias", False))),
+            or (architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(d.get("attention_bias", False))),
             mlp_bias=architecture == "LlamaForCausalLM" and bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(d, architecture),
         )
 
 
@@ -115,6 +139,26 @@ def _architecture(d: dict) -> str:
             f"unsupported architecture {architecture!r}; supported: {', '.join(_ARCH_DEFAULTS)}"
         )
     return architecture
+
+
+def _sliding_window(d: dict, architecture: str) -> int | None:
+    """The window of the layers that attend through one, as transformers reads it: Mistral's
+    ``sliding_window`` (4096 where the key is absent, none where it is null); for Qwen2 and Qwen3
+    the layers ``layer_types`` names "sliding_attention", or, without that list, those from
+    ``max_window_layers`` on where ``use_sliding_window`` is set."""
+    if architecture == "MistralForCausalLM":
+        window = d.get("sliding_window", 4096)
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = bool(d.get("use_sliding_window")) and int(d.get("max_window_layers", 28)) < int(
+                d["num_hidden_layers"])
+        window = d.get("sliding_window") if sliding else None
+    else:
+        window = None
+    return int(window) if window else None
 
 
 def _rope(d: dict, max_positions: int) -> tuple[float, dict | None]:

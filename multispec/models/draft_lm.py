@@ -34,7 +34,7 @@ class DraftLM:
     @property
     def max_len(self) -> int:
         """Longest sequence (prompt and output) it can draft for: its context window."""
-        return self.config.max_position_embeddings
+        return self.config.context_window
 
 
 def is_checkpoint(name_or_path: str | Path) -> bool:
@@ -70,6 +70,7 @@ def load_draft_lm(name_or_path: str | Path, target: LlamaForCausalLM, tokenizer:
 def check_window(draft: DraftLM, needed: int, subject: str) -> None:
     """ValueError unless the draft model's context window holds ``needed`` tokens."""
     if needed > draft.max_len:
+        bound = "sliding_window" if draft.max_len < draft.config.max_position_embeddings else "max_position_embeddings"
         raise ValueError(f"{subject} needs {needed} tokens of context (prompt and max_tokens), more than the draft "
-                         f"model {draft.name!r} holds (max_position_embeddings={draft.max_len})")
+                         f"model {draft.name!r} holds ({bound}={draft.max_len})")
 

@@ -175,9 +175,12 @@ class SelfAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
+        # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        # Qwen3: each head of q and k RMS-normalised before the rotation.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
         self.fused = False
 
@@ -193,11 +196,17 @@ class SelfAttention(nn.Module):
         if self.fused:
             # q and k lie side by side in the fused output: one rotation covers both.
             qkv = self.qkv(x).view(t, heads + 2 * kv_heads, -1)
-            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+            qk = qkv[:, : heads + kv_heads]
+            if self.q_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+            qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         else:
-            q = apply_rope(self.q_proj(x).view(t, heads, self.head_dim), cos, sin)
-            k = apply_rope(self.k_proj(x).view(t, kv_heads, self.head_dim), cos, sin)
+            q = self.q_proj(x).view(t, heads, self.head_dim)
+            k = self.k_proj(x).view(t, kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.v_proj(x).view(t, kv_heads, self.head_dim)
         out = attention.attend(self.layer, q, k, v).reshape(t, heads * self.head_dim)
         return self.o(out) if self.fused else self.o_proj(out)
@@ -376,17 +385,19 @@ class LlamaForCausalLM(nn.Module):
                 self.model.norm.weight, bool(products[0][0].packed),
                 [p[i].stream for i in range(4) for p in products] if all(
                     p[i].stream is not None for p in products for i in range(4)) else [],
+                [layer.self_attn.q_norm.weight for layer in layers] if config.qk_norm else [],
+                [layer.self_attn.k_norm.weight for layer in layers] if config.qk_norm else [],
                 config.num_attention_heads, config.num_key_value_heads, float(config.rms_norm_eps))
             self._stack_affine = [p[i].affine for i in range(4) for p in products] if all(
                 p[i].affine is not None for p in products for i in range(4)) else []
         # The streaming products' row limit, read now: MULTISPEC_AMX / MULTISPEC_STREAM / MULTISPEC_AFFINE
         # may switch it. Integer blocks where every product has them and the step's rows are within
         # their limit, else the streaming layout.
-        weights = self._stack_weights
+        weights = self._stack_weights  # ..., stream layouts, q norms, k norms, heads, kv heads, eps
         limit = affine_rows() if self._stack_affine and rows is not None else 0
         if rows is not None and rows <= limit:
-            return op, (*weights[:-4], self._stack_affine, limit, *weights[-3:]), args
-        return op, (*weights[:-3], stream_rows(), *weights[-3:]), args
+            return op, (*weights[:-6], self._stack_affine, limit, *weights[-5:]), args
+        return op, (*weights[:-5], stream_rows(), *weights[-5:]), args
 
     def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The output head's logits, in float32 (``float32=False``: in the model's dtype, for a

@@ -194,6 +194,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
         raise ValueError(f"unsupported architecture {model_type!r}")
+    head_dim = _gguf_head_dim(gguf)
+    if head_dim is not None:
+        config_dict["head_dim"] = head_dim
     config = AutoConfig.for_model(**config_dict)
     config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
 
@@ -214,6 +217,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
     tokenizer.save_pretrained(out, save_jinja_files=False)
     _eos_token_from_gguf(gguf, out / "tokenizer_config.json")
+
+
+def _gguf_head_dim(gguf: Path) -> int | None:
+    """The width of an attention head where the file gives one (llama.cpp's
+    ``<arch>.attention.key_length``). transformers' converter does not read it for every
+    architecture and falls back to hidden / heads, or to Qwen3's default of 128, which is wrong for
+    a model whose heads are of another width."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    arch = fields.get("general.architecture")
+    length = fields.get(f"{arch.contents()}.attention.key_length") if arch is not None else None
+    return int(length.contents()) if length is not None else None
 
 
 def _eos_token_from_gguf(gguf: Path, tokenizer_config: Path) -> None:

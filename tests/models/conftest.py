@@ -65,6 +65,7 @@ _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -101,6 +102,9 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if getattr(config, "head_dim", None):  # as llama.cpp writes it, where heads are not hidden / heads wide
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
 
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])

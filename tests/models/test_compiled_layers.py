@@ -33,6 +33,8 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
     if kind == "qwen2":  # biases on q, k and v
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "qwen3":  # q and k heads normalised, heads wider than hidden / heads
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=kind == "llama-bias",
                                                                     mlp_bias=kind == "llama-bias"))
@@ -72,7 +74,7 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
     return logits, cache.sample_k.clone(), cache.sample_v.clone()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):

@@ -39,6 +39,20 @@ CASES = {
     "llama-dynamic": dict(
         model_type="llama", **SMALL, rope_theta=30000.0, rope_scaling={"type": "dynamic", "factor": 3.0},
     ),
+    "qwen3-minimal": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **SMALL),
+    "qwen3-everything": dict(
+        model_type="qwen3", **SMALL, num_key_value_heads=2, head_dim=48, attention_bias=True, tie_word_embeddings=True,
+        eos_token_id=[3, 4], rope_theta=1000000.0,
+    ),
+    # Sliding windows: Mistral's is on unless null; Qwen's only with use_sliding_window, from
+    # max_window_layers on (none where that is every layer).
+    "mistral-window-off": dict(model_type="mistral", **SMALL, sliding_window=None),
+    "mistral-window-64": dict(model_type="mistral", **SMALL, sliding_window=64),
+    "qwen2-window-unused": dict(model_type="qwen2", **SMALL, sliding_window=32768, use_sliding_window=False),
+    "qwen2-window-used": dict(model_type="qwen2", **{**SMALL, "num_hidden_layers": 3}, sliding_window=128,
+                              use_sliding_window=True, max_window_layers=1),
+    "qwen3-window-past-the-layers": dict(model_type="qwen3", **SMALL, sliding_window=128, use_sliding_window=True,
+                                         max_window_layers=1),
 }
 
 
@@ -59,7 +73,12 @@ def test_matches_transformers(case):
     assert ours.head_dim == attn.head_dim
     assert ours.num_key_value_heads == attn.k_proj.out_features // attn.head_dim
     assert ours.attention_bias == (attn.q_proj.bias is not None)
-    assert (attn.o_proj.bias is not None) == (ours.attention_bias and ours.architecture == "LlamaForCausalLM")
+    assert (attn.o_proj.bias is not None) == (ours.attention_bias and ours.architecture != "Qwen2ForCausalLM")
+    assert ours.qk_norm == (getattr(attn, "q_norm", None) is not None) == (getattr(attn, "k_norm", None) is not None)
+    layer_types = getattr(hf, "layer_types", None)
+    window = getattr(hf, "sliding_window", None) if layer_types is None or "sliding_attention" in layer_types else None
+    assert ours.sliding_window == window
+    assert ours.context_window == min(ours.max_position_embeddings, window or ours.max_position_embeddings)
     assert ours.mlp_bias == (mlp.gate_proj.bias is not None)
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
 

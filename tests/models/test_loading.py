@@ -68,7 +68,7 @@ def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_
     assert float(seconds) < 15.0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_round_trip(arch, tmp_path):
     """A model written as GGUF the way llama.cpp does comes back with its original tensors."""
     source = tmp_path / "source"
@@ -82,7 +82,7 @@ def test_tiny_gguf_round_trip(arch, tmp_path):
     want = ModelConfig.from_hf_dict(hf.config.to_dict())
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings",
-                  "attention_bias"):
+                  "attention_bias", "qk_norm"):
         assert getattr(checkpoint.config, field) == getattr(want, field), field
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
     for text in ("Hello world!", "def f(x):\n    return x * 2\n", "<|start|>user\nhi<|end|>"):
@@ -176,6 +176,8 @@ def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
     torch.manual_seed(1)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "qwen3":  # heads twice hidden / heads wide, as Qwen3's small models have them
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(directory, **save_kwargs)

@@ -1,7 +1,8 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama and Qwen2 checkpoints (GQA, biases, tied and untied heads, rope
-scaling) and on the real default model. Tolerance: max abs diff 1e-3 on fp32 logits; a wrong
+Checked on tiny random Llama, Qwen2 and Qwen3 checkpoints (GQA, biases, tied and untied heads,
+rope scaling, Qwen3's per-head q/k norms and heads wider than hidden / heads) and on the real
+default model. Tolerance: max abs diff 1e-3 on fp32 logits; a wrong
 rope, mask or cache index moves logits by far more.
 """
 
@@ -25,6 +26,13 @@ def tiny(kind: str, **overrides):
     torch.manual_seed(0)
     if kind == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    elif kind == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
+        # Norm weights away from their initial ones, or a q/k norm left out would go unnoticed.
+        with torch.no_grad():
+            for name, weight in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.add_(0.3 * torch.randn_like(weight))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
@@ -39,6 +47,8 @@ CASES = {
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-bias-untied": ("qwen3", dict(head_dim=16, attention_bias=True, tie_word_embeddings=False)),
 }
 
 
