@@ -144,9 +144,13 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         tools = tool_mode(body, config.tool_parser)
         inputs = chat_inputs(body, engine, default_spec, config.limits, config.chat_template,
                              config.sampling_defaults)
-        if config.reasoning_parser is not None and inputs.params.structured_outputs is not None:
+        parser = REASONING_PARSERS.get(config.reasoning_parser)
+        # Qwen3's parser: a request that turns thinking off has no thinking to split off or wait for.
+        thinking = not (parser is not None and parser.reads_enable_thinking
+                        and (body.chat_template_kwargs or {}).get("enable_thinking", True) is False)
+        if parser is not None and thinking and inputs.params.structured_outputs is not None:
             # As vLLM: the constraint rules the answer, from the token that ends the thinking on.
-            end = REASONING_PARSERS[config.reasoning_parser].end
+            end = parser.end
             inputs.grammar_after = engine.tokenizer.token_to_id(end)
             if inputs.grammar_after is None:
                 _, name = structured_outputs(body)  # (only to name the field)
@@ -155,7 +159,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
             inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
-                         body.prompt_logprobs, tools, config.reasoning_parser)
+                         body.prompt_logprobs, tools, config.reasoning_parser, thinking)
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

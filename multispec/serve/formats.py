@@ -144,14 +144,16 @@ class ChatFormat:
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
                  prompt_logprobs: int | None = None, tool_mode: ToolMode | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, thinking: bool = True):
         """``tool_mode``: how the answers hold tool calls; ``reasoning_parser``: how their reasoning
-        is split from the content (``multispec.serve.tools``; the calls are read from the content)."""
+        is split from the content (``multispec.serve.tools``; the calls are read from the content);
+        ``thinking``: False where the request turned the model's thinking off (all content)."""
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
         self.reasoning_parser = reasoning_parser
+        self.thinking = thinking
 
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
@@ -159,7 +161,7 @@ class ChatFormat:
         reasoning, content = "", delta.text
         if self.reasoning_parser is not None:
             if choice.thinking is None:
-                choice.thinking = ReasoningStream(REASONING_PARSERS[self.reasoning_parser]())
+                choice.thinking = ReasoningStream(REASONING_PARSERS[self.reasoning_parser](self.thinking))
             choice.thinking.feed(delta.text)
             if delta.finish_reason is not None:
                 choice.thinking.finish()
@@ -238,7 +240,7 @@ class ChatFormat:
         ``reasoning`` and the rest is read as above."""
         reasoning = None
         if self.reasoning_parser is not None:  # as vLLM: no content after the thinking is null
-            reasoning, content = REASONING_PARSERS[self.reasoning_parser]().split(text)
+            reasoning, content = REASONING_PARSERS[self.reasoning_parser](self.thinking).split(text)
             text = content or ""
         whole = text or None if self.reasoning_parser is not None else text
         mode = self.tool_mode

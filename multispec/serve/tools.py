@@ -217,9 +217,17 @@ class DeepSeekR1Reasoning:
     thinking)."""
 
     start, end = "<think>", "</think>"
+    reads_enable_thinking = False
+    """Whether the request's ``chat_template_kwargs.enable_thinking`` says if the model thinks."""
+
+    def __init__(self, thinking: bool = True):
+        self.thinking = thinking
+        """False: the request turned thinking off, and the whole answer is content."""
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content), each None where empty."""
+        if not self.thinking:
+            return None, text or None
         before, opened, after = text.partition(self.start)
         text = after if opened else before
         if self.end not in text:
@@ -228,7 +236,16 @@ class DeepSeekR1Reasoning:
         return reasoning or None, content or None
 
 
-REASONING_PARSERS = {"deepseek_r1": DeepSeekR1Reasoning}
+class Qwen3Reasoning(DeepSeekR1Reasoning):
+    """Qwen3's thinking, split as vLLM's ``qwen3`` parser splits it: as ``deepseek_r1`` (Qwen3
+    writes ``<think>`` itself, later templates put it in the prompt), except that a request with
+    ``chat_template_kwargs: {"enable_thinking": false}`` (the template then closes an empty
+    thinking block in the prompt) has no reasoning: its whole answer is content."""
+
+    reads_enable_thinking = True
+
+
+REASONING_PARSERS = {"deepseek_r1": DeepSeekR1Reasoning, "qwen3": Qwen3Reasoning}
 """``--reasoning-parser`` names."""
 
 
@@ -259,6 +276,9 @@ class ReasoningStream:
     def take(self) -> tuple[str, str]:
         """The reasoning and the content the text adds since the last take."""
         text, start, end = self.text, self.parser.start, self.parser.end
+        if not self.parser.thinking:
+            content, self.sent[1] = text[self.sent[1]:], len(text)
+            return "", content
         upto = len(text) - (0 if self.ended else max(_partial(text, tag, 0) for tag in (start, end)))
         if self.closed is None:
             if not self.opened and (found := text.find(start, self.looked, upto)) >= 0:

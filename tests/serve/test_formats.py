@@ -12,7 +12,7 @@ import pytest
 from multispec.params import CompletionOutput
 from multispec.serve.formats import ChatFormat, Choice
 from multispec.serve.tools import (AutoToolStream, DeepSeekR1Reasoning, ForcedToolStream, HermesParser,
-                                   ReasoningStream, ToolMode)
+                                   Qwen3Reasoning, ReasoningStream, ToolMode)
 
 REQUIRED = ToolMode("required")
 CALLS = [{"name": "note", "parameters": {"text": 'a "}]" and {[ \\" \\\\'}},
@@ -128,6 +128,22 @@ def test_reasoning_split_whole_and_streamed(text):
             assert got[1] == content
             continue
         assert got == [reasoning or "", content or ""]
+
+
+@pytest.mark.parametrize("text", THINKING)
+def test_qwen3_reasoning_splits_as_deepseek_r1_unless_thinking_is_off(text):
+    """qwen3, as vLLM's parser: the split of deepseek_r1 while the request thinks (Qwen3 writes its
+    own <think>); with thinking turned off (enable_thinking false) the whole answer is content,
+    whole and streamed, whatever tags it holds."""
+    assert Qwen3Reasoning().split(text) == DeepSeekR1Reasoning().split(text)
+    assert Qwen3Reasoning(thinking=False).split(text) == (None, text)
+    for size in (1, 3, len(text)):
+        stream, got = ReasoningStream(Qwen3Reasoning(thinking=False)), ["", ""]
+        for start in range(0, len(text), size):
+            stream.feed(text[start:start + size])
+            for i, piece in enumerate(stream.take()):
+                got[i] += piece
+        assert got == ["", text]
 
 
 def test_chat_format_shows_reasoning_apart_and_reads_calls_from_the_content():

@@ -73,3 +73,34 @@ def test_a_constraint_rules_from_the_end_of_the_thinking(successor_dir, tiny, mo
         # beginning of {"a": "x"} with whitespace between its tokens, cut by max_tokens or whole.
         arguments = message.tool_calls[0].function.arguments
         assert re.fullmatch(r'\s*\{\s*("a"\s*(:\s*("x"\s*(\}\s*)?)?)?)?', arguments), arguments
+
+
+def test_qwen3_with_thinking_off_answers_in_content(successor_dir, tiny):
+    """``--reasoning-parser qwen3``: a request that thinks splits as deepseek_r1 does (the tiny
+    model never ends its thinking: all reasoning, and a constraint is refused for want of a
+    </think> token); one with ``chat_template_kwargs: {"enable_thinking": false}`` has no thinking,
+    so its answer is content, whole and streamed, and a constraint rules it from the first token."""
+    settings = dict(model="tiny", messages=CHAT, n=2, temperature=1.0, seed=4, max_tokens=12)
+    want = tiny.chat(CHAT, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=12), use_tqdm=False)[0].outputs
+    want = [c.text for c in want]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    with ThreadServer(successor_dir, reasoning_parser="qwen3") as server:
+        client = server.client()
+        thinking = client.chat.completions.create(**settings)
+        assert [(c.message.model_extra["reasoning"], c.message.content) for c in thinking.choices] == \
+            [(text, None) for text in want]
+        answered = client.chat.completions.create(extra_body=off, **settings)
+        assert [(c.message.model_extra.get("reasoning"), c.message.content) for c in answered.choices] == \
+            [(None, text) for text in want]
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(stream=True, extra_body=off, **settings):
+            for choice in chunk.choices:
+                assert not choice.delta.model_extra.get("reasoning")
+                streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+        assert streamed == dict(enumerate(want))
+        constrained = client.chat.completions.create(
+            extra_body={**off, "structured_outputs": {"choice": [" lazy dog"]}}, **settings)
+        assert [c.message.content for c in constrained.choices] == [" lazy dog", " lazy dog"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(extra_body={"structured_outputs": {"choice": [" lazy dog"]}}, **settings)
+        assert caught.value.body["param"] == "structured_outputs"
