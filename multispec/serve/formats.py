@@ -19,7 +19,7 @@ from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
                                      TopLogprob)
 from multispec.serve.tools import (REASONING_PARSERS, TOOL_PARSERS, AutoToolStream, ForcedToolStream,
-                                   ReasoningStream, ToolMode, call_id)
+                                   Llama3JsonStream, ReasoningStream, ToolMode, call_id)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Choice:
     text_offset: int = 0
     echoed: bool = False
     prompt_logprobs: list | None = None
-    calls: ForcedToolStream | AutoToolStream | None = None
+    calls: ForcedToolStream | AutoToolStream | Llama3JsonStream | None = None
     """A streamed answer's tool calls so far (where the request has a ``ToolMode``)."""
     thinking: ReasoningStream | None = None
     """A streamed answer's split into reasoning and content (a server with a reasoning parser)."""
@@ -170,8 +170,7 @@ class ChatFormat:
         if self.tool_mode is not None:
             if choice.calls is None:
                 mode = self.tool_mode
-                choice.calls = (AutoToolStream(TOOL_PARSERS[mode.parser]()) if mode.kind == "auto"
-                                else ForcedToolStream(mode))
+                choice.calls = TOOL_PARSERS[mode.parser]().stream() if mode.kind == "auto" else ForcedToolStream(mode)
             choice.calls.feed(content)
         return delta, self.logprobs(delta, choice)
 

@@ -108,6 +108,9 @@ class HermesParser:
     start, end = "<tool_call>", "</tool_call>"
     _blocks = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
+    def stream(self) -> AutoToolStream:
+        return AutoToolStream(self)
+
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """(content, [(name, arguments as JSON text)]); no calls: (text, [])."""
         if self.start not in text:
@@ -133,7 +136,125 @@ class HermesParser:
         return name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-TOOL_PARSERS = {"hermes": HermesParser}
+class Llama3JsonParser:
+    """Llama 3's JSON format (Llama 3.1-3.3, with the tool template that asks for JSON): an answer
+    that calls tools is nothing but calls, each a JSON object ``{"name", "parameters"}`` (or
+    ``"arguments"``), several separated by ``;``, after an optional ``<|python_tag|>``. As vLLM's
+    ``llama3_json`` parser streams it: an answer that begins otherwise is content; one whose
+    objects do not all parse as calls is content whole."""
+
+    tag = "<|python_tag|>"
+    _decoder = json.JSONDecoder()
+
+    def stream(self) -> Llama3JsonStream:
+        return Llama3JsonStream(self)
+
+    def calls_start(self, text: str) -> int | None:
+        """Where the calls begin (after the tag and whitespace) if ``text`` is calls, None if it
+        is content; -1 while too little has come to tell."""
+        body = text.lstrip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag):].lstrip()
+        elif self.tag.startswith(body):
+            return -1
+        if not body:
+            return -1
+        return len(text) - len(body) if body[0] == "{" else None
+
+    @staticmethod
+    def next_object(text: str, at: int) -> int:
+        """Where the object after ``text[:at]`` starts: past whitespace and one ``;``."""
+        rest = text[at:].lstrip()
+        rest = rest[1:].lstrip() if rest.startswith(";") else rest
+        return len(text) - len(rest)
+
+    def call(self, text: str, at: int) -> tuple[tuple[str, str] | None, int]:
+        """The call whose object starts at ``text[at]`` and where the object ends; (None, -1)
+        where no whole object starts there (yet) or it is no call."""
+        try:
+            call, end = self._decoder.raw_decode(text, at)
+        except ValueError:
+            return None, -1
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not (
+                "parameters" in call or "arguments" in call):
+            return None, -1
+        arguments = call["parameters"] if "parameters" in call else call["arguments"]
+        return (call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)), end
+
+    def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """(None, [(name, arguments as JSON text)]) where the answer is calls; else (text, [])."""
+        at = self.calls_start(text)
+        if at is None or at < 0:
+            return text, []
+        calls = []
+        while at < len(text):
+            call, end = self.call(text, at)
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = self.next_object(text, end)
+        return None, calls
+
+
+class Llama3JsonStream:
+    """A streamed "auto" answer in Llama 3's JSON format: held back until its first characters say
+    whether it is calls (``Llama3JsonParser.calls_start``); content is then released as it comes,
+    and calls are sent whole, each once its object closes. Where a later object is no call, the
+    text from it on arrives as content at the end (the whole answer would be all content: a stream
+    cannot take back the calls it sent)."""
+
+    def __init__(self, parser: Llama3JsonParser):
+        self.parser = parser
+        self.buffer = ""
+        self.start: int | None = -1  # where the calls begin; None: the answer is content
+        self.at = 0  # the end of the last call sent (or where the calls begin)
+        self.content: list[str] = []
+        self.pending: list[DeltaToolCall] = []
+        self.sent = 0
+
+    def feed(self, text: str) -> None:
+        released = len(self.buffer) if self.start is None else None
+        self.buffer += text
+        if self.start is None:
+            self.content.append(self.buffer[released:])
+            return
+        if self.start < 0:
+            self.start = self.parser.calls_start(self.buffer)
+            if self.start is None:
+                self.content.append(self.buffer)
+                return
+            if self.start < 0:
+                return
+            self.at = self.start
+        while True:
+            begin = self.parser.next_object(self.buffer, self.at) if self.sent else self.at
+            if begin >= len(self.buffer):
+                return
+            call, end = self.parser.call(self.buffer, begin)
+            if call is None:
+                return
+            self.pending.append(DeltaToolCall(index=self.sent, id=call_id(), type="function",
+                                              function=DeltaFunctionCall(name=call[0], arguments=call[1])))
+            self.sent += 1
+            self.at = end
+
+    def finish(self) -> None:
+        """The answer ended: what is held back (an object that never closed or is no call, an
+        answer too short to tell) is content: the whole text where no call was sent."""
+        if self.start is None:
+            return
+        rest = self.buffer[self.parser.next_object(self.buffer, self.at):] if self.sent else self.buffer
+        if rest:
+            self.content.append(rest)
+
+    def take(self) -> tuple[str, list[DeltaToolCall]]:
+        """The content released and the calls completed since the last take."""
+        text, calls = "".join(self.content), self.pending
+        self.content, self.pending = [], []
+        return text, calls
+
+
+TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 """``--tool-call-parser`` names."""
 
 

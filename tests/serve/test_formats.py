@@ -1,7 +1,8 @@
 """How tool calls and reasoning are read out of an answer's text: forced calls as they stream
-(``ForcedToolStream``), the model's own (``tool_choice`` "auto") with the Hermes parser, whole and
-streamed (``HermesParser``, ``AutoToolStream``), and a reasoning model's thinking split from its
-answer (``DeepSeekR1Reasoning``, ``ReasoningStream``), through the chat format too."""
+(``ForcedToolStream``), the model's own (``tool_choice`` "auto") with the Hermes and Llama 3 JSON
+parsers, whole and streamed (``HermesParser``, ``AutoToolStream``, ``Llama3JsonParser``), and a
+reasoning model's thinking split from its answer (``DeepSeekR1Reasoning``, ``Qwen3Reasoning``,
+``ReasoningStream``), through the chat format too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from multispec.params import CompletionOutput
 from multispec.serve.formats import ChatFormat, Choice
-from multispec.serve.tools import (AutoToolStream, DeepSeekR1Reasoning, ForcedToolStream, HermesParser,
+from multispec.serve.tools import (DeepSeekR1Reasoning, ForcedToolStream, HermesParser, Llama3JsonParser,
                                    Qwen3Reasoning, ReasoningStream, ToolMode)
 
 REQUIRED = ToolMode("required")
@@ -68,8 +69,8 @@ HERMES_TEXT = "Let me look.\n" + "".join(f'<tool_call>\n{json.dumps({"name": nam
                                          '</tool_call>\n' for name, arguments in HERMES_CALLS)
 
 
-def streamed_auto(text: str, size: int) -> tuple[str, list]:
-    stream, content, calls = AutoToolStream(HermesParser()), "", []
+def streamed_auto(text: str, size: int, parser=None) -> tuple[str, list]:
+    stream, content, calls = (parser or HermesParser()).stream(), "", []
     for start in range(0, len(text), size):
         stream.feed(text[start:start + size])
         piece, taken = stream.take()
@@ -99,6 +100,50 @@ def test_hermes_calls_read_whole_and_streamed(text, content, calls):
         streamed_content, pieces = streamed_auto(text, size)
         assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
         assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+
+
+LLAMA_CALLS = [("get_weather", {"city": "Paris", "note": "a } and a ; inside"}), ("sum", {"terms": [1, 2]})]
+LLAMA_TEXT = "; ".join(json.dumps({"name": name, "parameters": arguments}) for name, arguments in LLAMA_CALLS)
+NOT_A_CALL = '{"name": "f", "parameters": {"a": 1}}; {"answer": 42}'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (LLAMA_TEXT, None, LLAMA_CALLS),
+    ("<|python_tag|>" + LLAMA_TEXT + ";\n", None, LLAMA_CALLS),  # the tag, a trailing separator
+    ('  {"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),  # "arguments" as well
+    ("The weather is fine; no {braces} needed.", "The weather is fine; no {braces} needed.", []),
+    ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),  # cut short
+    ("<|python", "<|python", []),  # too short to tell
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),  # an object that is no call
+])
+def test_llama3_json_calls_read_whole_and_streamed(text, content, calls):
+    """llama3_json: an answer that begins (after <|python_tag|>) with an object is calls, each
+    {"name", "parameters" or "arguments"}, separated by ";"; any object that is no call, or an
+    answer that begins otherwise, leaves it all content. Streamed in pieces of any size: the same
+    content (nothing released while the start could still be a call) and the same calls."""
+    parser = Llama3JsonParser()
+    got_content, got_calls = parser.parse(text)
+    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
+    for size in (1, 2, 5, 11, len(text)):
+        streamed_content, pieces = streamed_auto(text, size, parser)
+        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
+        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+
+
+def test_llama3_json_stream_sends_each_call_as_its_object_closes():
+    """Calls go out one by one as their objects close; a later object that is no call arrives as
+    text at the end (the whole answer reads as content: a stream cannot take back a sent call)."""
+    stream = Llama3JsonParser().stream()
+    first = json.dumps({"name": "f", "parameters": {"a": 1}})
+    stream.feed(first[:-1])
+    assert stream.take() == ("", [])
+    stream.feed(first[-1] + "; {")
+    text, calls = stream.take()
+    assert text == "" and [c.function.name for c in calls] == ["f"]
+    stream.feed('"answer": 42}')
+    stream.finish()
+    assert stream.take() == ('{"answer": 42}', [])
+    assert Llama3JsonParser().parse(NOT_A_CALL) == (NOT_A_CALL, [])
 
 
 THINKING = ["<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4, so\n</think>The answer is 4.",
