@@ -15,8 +15,15 @@ tokens reused, the median of the per-round ratios, and the tokens each variant g
 bfloat16 a continued prompt's rows round differently from a whole one's, so seeded texts can part
 at near-ties and the decode work differ (float32 keeps them equal, bar rare ties).
 
+With ``--draft-model NAME`` the generating workloads speculate with that causal LM as a draft
+model (``SpecConfig(drafter="model", draft_model=NAME)``), and "on" also lets it copy the prompts it
+keeps (``DraftLM.kept``) rather than prefill each prompt whole; ``--draft-only`` keeps the target's
+caching on in both variants, so that only the draft model's kept prompts are switched.
+
     python benchmarks/prefix_cache.py                 # all three, 3 rounds
     python benchmarks/prefix_cache.py --workloads chat --rounds 5 --dtype float32
+    python benchmarks/prefix_cache.py --workloads fewshot,chat --draft-model smollm2-135m-instruct
+    python benchmarks/prefix_cache.py --workloads fewshot,chat --draft-model smollm2-135m-instruct --draft-only
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import time
 WORKLOADS = ("fewshot", "chat", "score")
 
 
-def fewshot(llm, rounds_seed: int):
+def fewshot(llm, rounds_seed: int, spec=None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
@@ -36,10 +43,10 @@ def fewshot(llm, rounds_seed: int):
     examples = "".join(f"Question: {p.question}\nAnswer: {p.data['solution']}\n\n" for p in shots)
     prompts = [examples + f"Question: {p.question}\nAnswer:" for p in load_gsm8k(limit=16)]
     params = SamplingParams(n=4, temperature=0.7, max_tokens=64, seed=rounds_seed, stop=["\n\nQuestion:"])
-    return [lambda: llm.generate(prompts, params, use_tqdm=False)]
+    return [lambda: llm.generate(prompts, params, spec, use_tqdm=False)]
 
 
-def chat(llm, rounds_seed: int):
+def chat(llm, rounds_seed: int, spec=None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
@@ -51,7 +58,7 @@ def chat(llm, rounds_seed: int):
         def call():
             for i, conversation in enumerate(conversations):
                 conversation.append({"role": "user", "content": questions[6 * i + k]})
-            outs = llm.chat(conversations, params, use_tqdm=False)
+            outs = llm.chat(conversations, params, spec, use_tqdm=False)
             for conversation, out in zip(conversations, outs):
                 conversation.append({"role": "assistant", "content": out.outputs[0].text})
             return outs
@@ -59,7 +66,7 @@ def chat(llm, rounds_seed: int):
     return [turn(k) for k in range(6)]
 
 
-def score(llm, rounds_seed: int):
+def score(llm, rounds_seed: int, spec=None):
     from multispec import SamplingParams
     from multispec.reasoning import load_gsm8k
 
@@ -71,12 +78,18 @@ def score(llm, rounds_seed: int):
             for c in (12, 18, 20, 24, 36, 40, 48, 60)]
 
 
-def run_once(llm, name: str, caching: bool, seed: int) -> tuple[float, float, int, int, int]:
+def run_once(llm, name: str, caching: bool, seed: int, spec=None,
+             draft_only: bool = False) -> tuple[float, float, int, int, int]:
     """Wall and prefill seconds, prompt tokens, those reused and tokens generated, for one pass of
-    a workload."""
-    calls = globals()[name](llm, seed)
+    a workload (``spec``: speculating with a draft model, whose kept prompts ``caching`` switches
+    too; ``draft_only``: those alone, the target's caching on)."""
+    from multispec.engine.prefix import KeptPrompts
+
+    calls = globals()[name](llm, seed, spec)
     llm.reset_prefix_cache()
-    llm.engine.scheduler.prefix_caching = caching
+    llm.engine.scheduler.prefix_caching = caching or draft_only
+    if spec is not None:
+        llm.engine.draft_model(spec.draft_model).kept = KeptPrompts() if caching else None
     before = llm.engine.stats.copy()
     start = time.perf_counter()
     for call in calls:
@@ -92,6 +105,9 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-model", default=None, help="speculate with this causal LM as the draft model")
+    parser.add_argument("--draft-only", action="store_true",
+                        help="with --draft-model: switch only its kept prompts, the target's caching on in both")
     args = parser.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     if not names or any(w not in WORKLOADS for w in names) or args.rounds < 1:
@@ -99,19 +115,29 @@ def main() -> None:
 
     import torch
 
-    from multispec import LLM
+    from multispec import LLM, SpecConfig
 
     llm = LLM(dtype=args.dtype)
-    print(f"{llm.dtype}, {torch.get_num_threads()} threads, {args.rounds} rounds\n")
+    spec = None
+    if args.draft_only and args.draft_model is None:
+        parser.error("--draft-only needs --draft-model")
+    if args.draft_model is not None:
+        if "score" in names:
+            parser.error("--draft-model: the score workload generates one token a request; leave it out")
+        spec = SpecConfig(drafter="model", draft_model=args.draft_model)
+        llm.engine.draft_model(args.draft_model)  # loaded before any timing
+    drafted = f", draft model {args.draft_model}" if spec is not None else ""
+    drafted += " (its kept prompts off and on, the target's caching on in both)" if args.draft_only else ""
+    print(f"{llm.dtype}, {torch.get_num_threads()} threads, {args.rounds} rounds{drafted}\n")
     print("| workload | prompt tokens | reused | wall s off | wall s on | wall on/off | prefill s off | "
           "prefill s on | prefill on/off | generated off / on |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        run_once(llm, name, True, 0)  # warm-up: shapes, kernels, memory
+        run_once(llm, name, True, 0, spec, args.draft_only)  # warm-up: shapes, kernels, memory
         runs = {False: [], True: []}
         for r in range(args.rounds):
             for caching in ((False, True) if r % 2 == 0 else (True, False)):
-                runs[caching].append(run_once(llm, name, caching, r))
+                runs[caching].append(run_once(llm, name, caching, r, spec, args.draft_only))
         off, on = runs[False], runs[True]
         med = lambda rows, i: statistics.median(row[i] for row in rows)  # noqa: E731
         wall = statistics.median(b[0] / a[0] for a, b in zip(off, on))

@@ -87,17 +87,29 @@ class CheckpointDrafter(ModelDrafter):
 
     # ------------------------------------------------------------------ state
     def add_group(self, group_id: int, prompt_ids: list[int], sample_ids: list[int]) -> None:
-        """Prefill the prompt into a new cache with a slot for each of its samples."""
+        """Prefill the prompt into a new cache with a slot for each of its samples; where the draft
+        model keeps earlier prompts (``DraftLM.kept``), the part one of them shares is copied and
+        only the rest computed (nothing, for a prompt seen whole: no row of it is read but as keys
+        and values)."""
         length = len(prompt_ids)
         cache = KVCache(self.draft.config, len(sample_ids) * FIRST_CAPACITY + length,
                         self.model.output_weight().dtype, self.device)
         cache.layout(CacheShape(len(sample_ids), FIRST_CAPACITY, 1, length))
         slot = cache.take_prompt_slot()
         cache.ready(0, 0, [slot], length)  # before the prefill writes it: later readies leave it alone
+        kept = self.draft.kept
+        source, cached = kept.longest(prompt_ids) if kept is not None else (None, 0)
         with torch.inference_mode():
-            self.model.hidden_states(torch.tensor(prompt_ids, device=self.device),
-                                     torch.arange(length, device=self.device),
-                                     PrefillAttention(cache, [(slot, length)]))
+            if cached:
+                cache.prompt_k[:, slot, :, :cached] = source.k[:, :, :cached]
+                cache.prompt_v[:, slot, :, :cached] = source.v[:, :, :cached]
+                kept.hits += cached
+            if cached < length:
+                self.model.hidden_states(torch.tensor(prompt_ids[cached:], device=self.device),
+                                         torch.arange(cached, length, device=self.device),
+                                         PrefillAttention(cache, [(slot, length - cached)], [cached]))
+            if kept is not None:
+                kept.keep(prompt_ids, cache.prompt_k[:, slot, :, :length], cache.prompt_v[:, slot, :, :length])
         group = _Group(cache, length)
         for i, sample_id in enumerate(sample_ids):
             self.samples[sample_id] = _Sample(group, i)

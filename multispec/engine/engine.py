@@ -31,7 +31,7 @@ from multispec.engine.costs import Prices, StepCosts, load_or_measure
 from multispec.engine.cache import GIB, OVERCOMMIT, CacheShape, KVCache, kv_bytes_per_token
 from multispec.engine.grammar import AfterToken, Grammars
 from multispec.engine.lane import Lane, lane_key
-from multispec.engine.prefix import PromptScores
+from multispec.engine.prefix import KeptPrompts, PromptScores
 from multispec.engine.rules import prompt_rows, ruled, ruled_now
 from multispec.engine.request import Request, Sample
 from multispec.engine.scheduler import Scheduler
@@ -278,8 +278,12 @@ class LLMEngine:
             self._retire()
 
     def reset_prefix_cache(self) -> None:
-        """Forget what every prompt slot holds (``multispec.engine.prefix``)."""
+        """Forget what every prompt slot holds (``multispec.engine.prefix``), and the prompts the
+        draft models keep."""
         self.cache.prefixes.reset(len(self.cache.prefixes.tokens))
+        for draft in self._draft_lms.values():
+            if draft.kept is not None:
+                draft.kept.reset()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -336,6 +340,7 @@ class LLMEngine:
         draft = self._draft_lms.get(key)
         if draft is None:
             draft = load_draft_lm(name, self.model, self.tokenizer, self.config.model_name, self.config.cache_dir)
+            draft.kept = KeptPrompts() if self.config.prefix_caching else None
             self._draft_lms[key] = draft
         return draft
 

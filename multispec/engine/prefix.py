@@ -113,3 +113,55 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+KEPT_PROMPT_POSITIONS = 4096
+"""How many prompt positions a draft model's ``KeptPrompts`` holds at most (some 94 MB of keys and
+values for the 135M default model in bfloat16)."""
+
+
+@dataclass(eq=False)
+class _Kept:
+    tokens: np.ndarray
+    k: object  # [layers, kv_heads, length, head_dim]
+    v: object
+
+
+class KeptPrompts:
+    """Keys and values of a draft model's recent prompts (``SpecConfig.draft_model`` a causal LM,
+    whose own cache lives only as long as its request), kept after their requests for later prompts
+    that begin alike, as the target's prompt slots are: such a prompt copies the shared part and
+    prefills only the rest. Bounded by ``positions`` (the oldest go first); a prompt that begins
+    with a kept one replaces it. ``hits`` counts the positions copied rather than computed."""
+
+    def __init__(self, positions: int = KEPT_PROMPT_POSITIONS):
+        self.positions = positions
+        self.kept: list[_Kept] = []  # oldest first
+        self.hits = 0
+
+    def longest(self, tokens: list[int]) -> tuple[_Kept | None, int]:
+        """The kept prompt sharing the longest prefix with ``tokens``, and that prefix's length."""
+        array = np.asarray(tokens)
+        best, length = None, 0
+        for kept in self.kept:
+            shared = common_prefix(kept.tokens, array)
+            if shared > length:
+                best, length = kept, shared
+        return best, length
+
+    def keep(self, tokens: list[int], k, v) -> None:
+        """Keep a copy of ``k`` and ``v`` ([layers, kv_heads, len(tokens), head_dim]) for ``tokens``."""
+        if len(tokens) > self.positions:
+            return
+        array = np.asarray(tokens)
+        for i, kept in enumerate(self.kept):
+            if len(kept.tokens) >= len(array) and common_prefix(kept.tokens, array) == len(array):
+                self.kept.append(self.kept.pop(i))  # it holds all of it: now the most recent
+                return
+        self.kept = [kept for kept in self.kept if common_prefix(kept.tokens, array) < len(kept.tokens)]
+        self.kept.append(_Kept(array, k.clone(), v.clone()))
+        while sum(len(kept.tokens) for kept in self.kept) > self.positions:
+            self.kept.pop(0)
+
+    def reset(self) -> None:
+        self.kept = []

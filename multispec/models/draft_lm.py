@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from multispec.models.config import ModelConfig
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import is_gguf, load_checkpoint
 from multispec.models.registry import known_models, resolve_model
 from multispec.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from multispec.engine.prefix import KeptPrompts
 
 
 @dataclass(eq=False)
@@ -30,6 +34,9 @@ class DraftLM:
     name: str
     vocab_size: int
     target_vocab_size: int
+    kept: KeptPrompts | None = None
+    """Its recent prompts' keys and values, for later prompts that begin alike (set by an engine
+    with prefix caching on); None: every prompt is computed whole."""
 
     @property
     def max_len(self) -> int:

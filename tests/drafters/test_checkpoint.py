@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from scipy.stats import chi2, chisquare, ncx2
 import multispec.engine.step as step_module
 from multispec import LLM, SamplingParams, SpecConfig
 from multispec.drafters.checkpoint import FIRST_CAPACITY, CheckpointDrafter
+from multispec.engine.prefix import KeptPrompts
 from multispec.verify.support import dense_rows
 from tests.helpers import exact_cells, sampled_cells
 from tests.tiny_models import chain, cycle_start, write_successor_model
@@ -205,3 +207,70 @@ def test_the_default_model_drafts_for_itself_by_name(llm, monkeypatch):
                        spec("smollm2-135m-instruct", num_candidates=2, max_draft_tokens=2), use_tqdm=False)[0]
     assert all(len(c.token_ids) > 0 for c in out.outputs)
     assert spy.nodes > 0 and spy.worst < 1e-4
+
+
+def test_prompts_that_begin_as_a_kept_one_copy_its_keys(setup, monkeypatch):
+    """A draft model keeps its recent prompts' keys and values (``DraftLM.kept``, on with prefix
+    caching): a prompt seen before is copied whole (no row computed), one that continues a kept
+    prompt or shares its beginning computes only the rest, and the prompt slot then holds what a
+    whole prefill computes (the copy bit for bit, the continued rows within float32 rounding)."""
+    llm, target, _, prompt = setup
+    draft = llm.engine.draft_model(str(target))
+    assert draft.kept is not None
+    draft.kept.reset()
+    hits, rows = draft.kept.hits, []
+    real = draft.model.hidden_states
+    monkeypatch.setattr(draft.model, "hidden_states", lambda ids, *args: rows.append(len(ids)) or real(ids, *args))
+
+    def prompt_keys(drafter, sample_id):
+        group = drafter.samples[sample_id].group
+        return group.cache.prompt_k[:, 0, :, :group.prompt_len], group.cache.prompt_v[:, 0, :, :group.prompt_len]
+
+    def prefill(tokens, sample_id, kept=True):
+        use = draft if kept else replace(draft, kept=None)
+        drafter = CheckpointDrafter(draft=use, max_depth=1, max_nodes=1)
+        drafter.add_group(0, tokens, [sample_id])
+        return prompt_keys(drafter, sample_id)
+
+    first = prefill(prompt, 1)
+    again = prefill(prompt, 2)
+    longer = prompt + [5, 6, 7, 8, 9, 10, 11, 12]
+    continued = prefill(longer, 3)
+    other = prompt[:5] + [13, 14, 15]
+    shared = prefill(other, 4)
+    assert rows == [len(prompt), 8, 3] and draft.kept.hits - hits == len(prompt) * 2 + 5
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    whole = prefill(longer, 5, kept=False), prefill(other, 6, kept=False)
+    for got, want in zip((continued, shared), whole):
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5)
+    # The longer prompt replaced the one it continues; the other is kept beside it.
+    assert [len(kept.tokens) for kept in draft.kept.kept] == [len(longer), len(other)]
+    llm.reset_prefix_cache()
+    rows.clear()
+    prefill(prompt, 7)
+    assert rows == [len(prompt)]
+
+
+def test_kept_prompts_stay_within_their_positions():
+    """The oldest kept prompts go first once more positions than allowed are held; one that a
+    later prompt begins with all of is refreshed, not copied again; a prompt longer than the
+    bound is not kept."""
+    kept = KeptPrompts(positions=10)
+    keys = torch.zeros(1, 1, 10, 2)
+    for tokens in ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10]):
+        kept.keep(tokens, keys[:, :, :len(tokens)], keys[:, :, :len(tokens)])
+    assert [k.tokens.tolist() for k in kept.kept] == [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10]]
+    kept.keep([5, 6], keys[:, :, :2], keys[:, :, :2])  # held by [5, 6, 7]: now the most recent
+    assert [k.tokens.tolist() for k in kept.kept] == [[1, 2, 3, 4], [8, 9, 10], [5, 6, 7]]
+    kept.keep([11, 12], keys[:, :, :2], keys[:, :, :2])
+    assert [k.tokens.tolist() for k in kept.kept] == [[8, 9, 10], [5, 6, 7], [11, 12]]
+    assert kept.longest([5, 6, 9])[1] == 2 and kept.longest([0])[1] == 0
+    kept.keep(list(range(11)), torch.zeros(1, 1, 11, 2), torch.zeros(1, 1, 11, 2))
+    assert len(kept.kept) == 3
+
+
+def test_without_prefix_caching_a_draft_model_keeps_no_prompt(setup):
+    _, target, _, _ = setup
+    off = LLM(str(target), device="cpu", dtype="float32", enable_prefix_caching=False)
+    assert off.engine.draft_model(str(target)).kept is None
