@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 "
                              "and Hermes models write them; llama3_json: an answer of JSON objects {\"name\", "
-                             "\"parameters\"}, as Llama 3.1-3.3 write them)")
+                             "\"parameters\"}, as Llama 3.1-3.3 write them; mistral: [TOOL_CALLS] and the calls)")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split a reasoning model's thinking from its answer in chat responses (message.reasoning, "
                              "as vLLM): deepseek_r1 (thinking up to </think>, as DeepSeek-R1 and its distillations "

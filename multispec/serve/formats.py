@@ -19,7 +19,7 @@ from multispec.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      CompletionResponse, Delta, FunctionCall, PromptLogprob, TokenLogprob, ToolCall,
                                      TopLogprob)
 from multispec.serve.tools import (REASONING_PARSERS, TOOL_PARSERS, AutoToolStream, ForcedToolStream,
-                                   Llama3JsonStream, ReasoningStream, ToolMode, call_id)
+                                   Llama3JsonStream, MistralStream, ReasoningStream, ToolMode, call_id)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Choice:
     text_offset: int = 0
     echoed: bool = False
     prompt_logprobs: list | None = None
-    calls: ForcedToolStream | AutoToolStream | Llama3JsonStream | None = None
+    calls: ForcedToolStream | AutoToolStream | Llama3JsonStream | MistralStream | None = None
     """A streamed answer's tool calls so far (where the request has a ``ToolMode``)."""
     thinking: ReasoningStream | None = None
     """A streamed answer's split into reasoning and content (a server with a reasoning parser)."""
@@ -246,10 +246,11 @@ class ChatFormat:
         if mode is None:
             return AssistantMessage(content=whole, reasoning=reasoning)
         if mode.kind == "auto":
-            content, calls = TOOL_PARSERS[mode.parser]().parse(text)
+            parser = TOOL_PARSERS[mode.parser]()
+            content, calls = parser.parse(text)
             if not calls:
                 return AssistantMessage(content=whole, reasoning=reasoning)
-            return AssistantMessage(content=content, tool_calls=[_tool_call(*call) for call in calls],
+            return AssistantMessage(content=content, tool_calls=[_tool_call(*call, parser.new_id()) for call in calls],
                                     reasoning=reasoning)
         if mode.kind == "named":
             return AssistantMessage(content="", tool_calls=[_tool_call(mode.name, text)], reasoning=reasoning)
@@ -261,8 +262,8 @@ class ChatFormat:
         return AssistantMessage(content="", tool_calls=calls, reasoning=reasoning)
 
 
-def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
+def _tool_call(name: str, arguments: str, id: str | None = None) -> ToolCall:
+    return ToolCall(id=id or call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 def _top(entry: dict[int, float], token: int, k: int | None) -> list[tuple[int, float]]:

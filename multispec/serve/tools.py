@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,12 @@ class ToolMode:
 
 def call_id() -> str:
     return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other tool call id when the
+    call is sent back in the next turn."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 class ForcedToolStream:
@@ -107,6 +114,7 @@ class HermesParser:
 
     start, end = "<tool_call>", "</tool_call>"
     _blocks = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+    new_id = staticmethod(call_id)
 
     def stream(self) -> AutoToolStream:
         return AutoToolStream(self)
@@ -145,6 +153,7 @@ class Llama3JsonParser:
 
     tag = "<|python_tag|>"
     _decoder = json.JSONDecoder()
+    new_id = staticmethod(call_id)
 
     def stream(self) -> Llama3JsonStream:
         return Llama3JsonStream(self)
@@ -233,7 +242,7 @@ class Llama3JsonStream:
             call, end = self.parser.call(self.buffer, begin)
             if call is None:
                 return
-            self.pending.append(DeltaToolCall(index=self.sent, id=call_id(), type="function",
+            self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
                                               function=DeltaFunctionCall(name=call[0], arguments=call[1])))
             self.sent += 1
             self.at = end
@@ -254,7 +263,98 @@ class Llama3JsonStream:
         return text, calls
 
 
-TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class MistralParser:
+    """Mistral's format: the content, then ``[TOOL_CALLS]`` and the calls, either a JSON list of
+    ``{"name", "arguments"}`` (Mistral 7B v0.3 and the tokenizers before v11) or, from v11 on,
+    ``name[ARGS]{arguments}`` after each ``[TOOL_CALLS]``. As vLLM's ``mistral`` parser reads them:
+    calls that do not parse leave the whole answer as content. Call ids are nine letters and
+    digits, as Mistral's templates require of the calls sent back."""
+
+    tag, args_tag = "[TOOL_CALLS]", "[ARGS]"
+    _decoder = json.JSONDecoder()
+    new_id = staticmethod(mistral_call_id)
+
+    def stream(self) -> MistralStream:
+        return MistralStream(self)
+
+    def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content before the calls or None, [(name, arguments as JSON text)]); no calls: (text, [])."""
+        before, opened, after = text.partition(self.tag)
+        calls = self.calls(after) if opened else None
+        if not calls:
+            return text, []
+        return before or None, calls
+
+    def calls(self, text: str) -> list[tuple[str, str]] | None:
+        """The calls written after the first ``[TOOL_CALLS]``, or None where they do not parse."""
+        if self.args_tag in text:
+            calls = []
+            for body in text.split(self.tag):
+                name, opened, arguments = body.partition(self.args_tag)
+                try:
+                    parsed = self._decoder.raw_decode(arguments.strip())[0] if opened and name.strip() else None
+                except ValueError:
+                    return None
+                if not isinstance(parsed, dict):
+                    return None
+                calls.append((name.strip(), json.dumps(parsed, ensure_ascii=False)))
+            return calls
+        try:
+            listed = self._decoder.raw_decode(text.replace(self.tag, "").strip())[0]
+        except ValueError:
+            return None
+        listed = [listed] if isinstance(listed, dict) else listed
+        if not isinstance(listed, list) or not all(
+                isinstance(call, dict) and isinstance(call.get("name"), str) for call in listed):
+            return None
+        return [(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)) for call in listed]
+
+
+class MistralStream:
+    """A streamed "auto" answer in Mistral's format: the content is released as it comes (a tail
+    that may open ``[TOOL_CALLS]`` held back); from the tag on the text is held and read when the
+    answer ends, into calls, or into content where they do not parse (so the pieces join to the
+    whole answer's reading)."""
+
+    def __init__(self, parser: MistralParser):
+        self.parser = parser
+        self.buffer = ""
+        self.released = 0
+        self.opened: int | None = None  # where [TOOL_CALLS] starts, once seen
+        self.content: list[str] = []
+        self.pending: list[DeltaToolCall] = []
+
+    def feed(self, text: str) -> None:
+        self.buffer += text
+        if self.opened is not None:
+            return
+        found = self.buffer.find(self.parser.tag, self.released)
+        upto = found if found >= 0 else len(self.buffer) - _partial(self.buffer, self.parser.tag, self.released)
+        self.content.append(self.buffer[self.released:upto])
+        self.released = upto
+        if found >= 0:
+            self.opened = found
+
+    def finish(self) -> None:
+        if self.opened is None:
+            self.content.append(self.buffer[self.released:])
+            return
+        calls = self.parser.calls(self.buffer[self.opened + len(self.parser.tag):])
+        if not calls:
+            self.content.append(self.buffer[self.opened:])
+            return
+        self.pending = [DeltaToolCall(index=i, id=self.parser.new_id(), type="function",
+                                      function=DeltaFunctionCall(name=name, arguments=arguments))
+                        for i, (name, arguments) in enumerate(calls)]
+
+    def take(self) -> tuple[str, list[DeltaToolCall]]:
+        """The content released and the calls read since the last take."""
+        text, calls = "".join(self.content), self.pending
+        self.content, self.pending = [], []
+        return text, calls
+
+
+TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 """``--tool-call-parser`` names."""
 
 
@@ -301,7 +401,7 @@ class AutoToolStream:
         if call is None:
             self.content.append(self.buffer[opened:after])
         else:
-            self.pending.append(DeltaToolCall(index=self.sent, id=call_id(), type="function",
+            self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
                                               function=DeltaFunctionCall(name=call[0], arguments=call[1])))
             self.sent += 1
         self.at, self.inside = after, False

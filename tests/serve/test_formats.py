@@ -13,7 +13,7 @@ import pytest
 from multispec.params import CompletionOutput
 from multispec.serve.formats import ChatFormat, Choice
 from multispec.serve.tools import (DeepSeekR1Reasoning, ForcedToolStream, HermesParser, Llama3JsonParser,
-                                   Qwen3Reasoning, ReasoningStream, ToolMode)
+                                   MistralParser, Qwen3Reasoning, ReasoningStream, ToolMode)
 
 REQUIRED = ToolMode("required")
 CALLS = [{"name": "note", "parameters": {"text": 'a "}]" and {[ \\" \\\\'}},
@@ -144,6 +144,36 @@ def test_llama3_json_stream_sends_each_call_as_its_object_closes():
     stream.finish()
     assert stream.take() == ('{"answer": 42}', [])
     assert Llama3JsonParser().parse(NOT_A_CALL) == (NOT_A_CALL, [])
+
+
+MISTRAL_LIST = "Checking. [TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in LLAMA_CALLS])
+MISTRAL_V11 = "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in LLAMA_CALLS)
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (MISTRAL_LIST, "Checking. ", LLAMA_CALLS),  # a JSON list after the tag (tokenizers before v11)
+    (MISTRAL_V11, None, LLAMA_CALLS),  # name[ARGS]{...} after each tag (v11 on)
+    ('[TOOL_CALLS] {"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),  # one object, unlisted
+    ("No [TOOL_ call, just [brackets].", "No [TOOL_ call, just [brackets].", []),
+    ('Cut [TOOL_CALLS][{"name": "f", "argu', 'Cut [TOOL_CALLS][{"name": "f", "argu', []),  # cut short
+    ("[TOOL_CALLS]f[ARGS]not json", "[TOOL_CALLS]f[ARGS]not json", []),
+])
+def test_mistral_calls_read_whole_and_streamed(text, content, calls):
+    """mistral: the content before [TOOL_CALLS], then the calls in either of Mistral's two forms;
+    calls that do not parse leave the answer all content. Streamed in pieces of any size: the same
+    content (a tail that may open the tag held back) and the same calls, each with a nine-character
+    id (Mistral's templates refuse others when the call comes back)."""
+    parser = MistralParser()
+    got_content, got_calls = parser.parse(text)
+    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
+    for size in (1, 2, 5, 11, len(text)):
+        streamed_content, pieces = streamed_auto(text, size, parser)
+        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
+        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+        assert all(len(p.id) == 9 and p.id.isalnum() for p in pieces)
+    message = ChatFormat(None, None, tool_mode=ToolMode("auto", parser="mistral"))._message(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == calls
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in message.tool_calls or [])
 
 
 THINKING = ["<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4, so\n</think>The answer is 4.",
