@@ -86,7 +86,8 @@ def main() -> None:
         for name, values in rates.items():
             print(f"  {name:13s} {statistics.median(values):7.1f} tok/s  ({', '.join(f'{v:.1f}' for v in values)})")
         ratios = [a / b for a, b in zip(rates["multispec"], rates["transformers"])]
-        print(f"  multispec / transformers: {statistics.median(ratios):.2f}x (per-run {', '.join(f'{r:.2f}' for r in ratios)})")
+        each = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"  multispec / transformers: {statistics.median(ratios):.2f}x (per-run {each})")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ class Llama3JsonParser:
                 "parameters" in call or "arguments" in call):
             return None, -1
         arguments = call["parameters"] if "parameters" in call else call["arguments"]
-        return (call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)), end
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return (call["name"], arguments), end
 
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """(None, [(name, arguments as JSON text)]) where the answer is calls; else (text, [])."""

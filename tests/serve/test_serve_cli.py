@@ -21,7 +21,8 @@ def test_conflicting_models_and_bad_limits_are_one_line_errors(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["multispec: error: the model is named twice: 'a' and --model 'b'",
                      "multispec: error: --max-n=0: must be >= 1",
-                     "multispec: error: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)"]
+                     "multispec: error: --enable-auto-tool-choice needs --tool-call-parser "
+                     "(hermes, llama3_json, mistral)"]
 
 
 def test_a_chat_template_that_does_not_render_is_refused_before_serving(successor_dir, capsys):
