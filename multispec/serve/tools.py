@@ -141,7 +141,7 @@ class HermesParser:
             return None
         if not isinstance(name, str):
             return None
-        return name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return name, _json_text(arguments)
 
 
 class Llama3JsonParser:
@@ -187,10 +187,7 @@ class Llama3JsonParser:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not (
                 "parameters" in call or "arguments" in call):
             return None, -1
-        arguments = call["parameters"] if "parameters" in call else call["arguments"]
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        return (call["name"], arguments), end
+        return (call["name"], _json_text(call["parameters"] if "parameters" in call else call["arguments"])), end
 
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
         """(None, [(name, arguments as JSON text)]) where the answer is calls; else (text, [])."""
@@ -265,6 +262,11 @@ class Llama3JsonStream:
         return text, calls
 
 
+def _json_text(arguments) -> str:
+    """A call's arguments as JSON text (those a model wrote as a string are that text already)."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
 class MistralParser:
     """Mistral's format: the content, then ``[TOOL_CALLS]`` and the calls, either a JSON list of
     ``{"name", "arguments"}`` (Mistral 7B v0.3 and the tokenizers before v11) or, from v11 on,
@@ -299,7 +301,7 @@ class MistralParser:
                     return None
                 if not isinstance(parsed, dict):
                     return None
-                calls.append((name.strip(), json.dumps(parsed, ensure_ascii=False)))
+                calls.append((name.strip(), _json_text(parsed)))
             return calls
         try:
             listed = self._decoder.raw_decode(text.replace(self.tag, "").strip())[0]
@@ -309,7 +311,7 @@ class MistralParser:
         if not isinstance(listed, list) or not all(
                 isinstance(call, dict) and isinstance(call.get("name"), str) for call in listed):
             return None
-        return [(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)) for call in listed]
+        return [(call["name"], _json_text(call.get("arguments", {}))) for call in listed]
 
 
 class MistralStream:
@@ -325,6 +327,7 @@ class MistralStream:
         self.opened: int | None = None  # where [TOOL_CALLS] starts, once seen
         self.content: list[str] = []
         self.pending: list[DeltaToolCall] = []
+        self.sent = 0
 
     def feed(self, text: str) -> None:
         self.buffer += text
@@ -348,6 +351,7 @@ class MistralStream:
         self.pending = [DeltaToolCall(index=i, id=self.parser.new_id(), type="function",
                                       function=DeltaFunctionCall(name=name, arguments=arguments))
                         for i, (name, arguments) in enumerate(calls)]
+        self.sent = len(calls)
 
     def take(self) -> tuple[str, list[DeltaToolCall]]:
         """The content released and the calls read since the last take."""

@@ -171,9 +171,22 @@ def test_mistral_calls_read_whole_and_streamed(text, content, calls):
         assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
         assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
         assert all(len(p.id) == 9 and p.id.isalnum() for p in pieces)
-    message = ChatFormat(None, None, tool_mode=ToolMode("auto", parser="mistral"))._message(text)
+    fmt = ChatFormat(None, None, tool_mode=ToolMode("auto", parser="mistral"))
+    message = fmt._message(text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == calls
     assert all(len(c.id) == 9 and c.id.isalnum() for c in message.tool_calls or [])
+    # Through the format's chunks: the finish is "tool_calls" where calls came.
+    choice, deltas = Choice(), []
+    pieces = [text[i:i + 6] for i in range(0, len(text), 6)]
+    for i, piece in enumerate(pieces):
+        delta = CompletionOutput(0, piece, [i], 0.0, "stop" if i == len(pieces) - 1 else None)
+        fmt.present(0, None, delta, choice)
+        chunk = fmt.chunk("id", 0, "m", 0, delta, None, choice)
+        if chunk is not None:
+            deltas.append(chunk.choices[0])
+    assert "".join(d.delta.content or "" for d in deltas) == (message.content or "")
+    assert [t.function.name for d in deltas for t in d.delta.tool_calls or []] == [n for n, _ in calls]
+    assert deltas[-1].finish_reason == ("tool_calls" if calls else "stop")
 
 
 THINKING = ["<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4, so\n</think>The answer is 4.",
