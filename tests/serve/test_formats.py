@@ -80,6 +80,20 @@ def streamed_auto(text: str, size: int, parser=None) -> tuple[str, list]:
     return content + piece, calls + taken
 
 
+def read_whole_and_streamed(parser, text: str, content: str | None, calls: list) -> list:
+    """Asserts that ``parser`` reads ``text`` into ``content`` and ``calls`` ([(name, arguments)]),
+    whole and streamed in pieces of 1 to all characters; returns the streamed calls' pieces."""
+    got_content, got_calls = parser.parse(text)
+    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
+    every = []
+    for size in (1, 2, 5, 11, len(text)):
+        streamed_content, pieces = streamed_auto(text, size, parser)
+        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
+        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+        every += pieces
+    return every
+
+
 BAD = 'Bad: <tool_call>{"name": "f", "arguments": </tool_call>'
 
 
@@ -94,12 +108,7 @@ def test_hermes_calls_read_whole_and_streamed(text, content, calls):
     unclosed at the end counts; one that does not parse leaves the answer as text). Streamed in
     pieces of any size: the same content (a tail that may open a call is held back, never shown
     as text) and the same calls, each whole."""
-    got_content, got_calls = HermesParser().parse(text)
-    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
-    for size in (1, 2, 5, 11, len(text)):
-        streamed_content, pieces = streamed_auto(text, size)
-        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
-        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+    read_whole_and_streamed(HermesParser(), text, content, calls)
 
 
 LLAMA_CALLS = [("get_weather", {"city": "Paris", "note": "a } and a ; inside"}), ("sum", {"terms": [1, 2]})]
@@ -121,13 +130,7 @@ def test_llama3_json_calls_read_whole_and_streamed(text, content, calls):
     {"name", "parameters" or "arguments"}, separated by ";"; any object that is no call, or an
     answer that begins otherwise, leaves it all content. Streamed in pieces of any size: the same
     content (nothing released while the start could still be a call) and the same calls."""
-    parser = Llama3JsonParser()
-    got_content, got_calls = parser.parse(text)
-    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
-    for size in (1, 2, 5, 11, len(text)):
-        streamed_content, pieces = streamed_auto(text, size, parser)
-        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
-        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
+    read_whole_and_streamed(Llama3JsonParser(), text, content, calls)
 
 
 def test_llama3_json_stream_sends_each_call_as_its_object_closes():
@@ -144,6 +147,20 @@ def test_llama3_json_stream_sends_each_call_as_its_object_closes():
     stream.finish()
     assert stream.take() == ('{"answer": 42}', [])
     assert Llama3JsonParser().parse(NOT_A_CALL) == (NOT_A_CALL, [])
+
+
+def chunk_choices(fmt: ChatFormat, text: str, size: int) -> list:
+    """The chunk choices ``fmt`` streams for one answer ``text`` arriving ``size`` characters at a
+    time (the last piece finishing it with "stop")."""
+    choice, deltas = Choice(), []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for i, piece in enumerate(pieces):
+        delta = CompletionOutput(0, piece, [i], 0.0, "stop" if i == len(pieces) - 1 else None)
+        fmt.present(0, None, delta, choice)
+        chunk = fmt.chunk("id", 0, "m", 0, delta, None, choice)
+        if chunk is not None:
+            deltas.append(chunk.choices[0])
+    return deltas
 
 
 MISTRAL_LIST = "Checking. [TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in LLAMA_CALLS])
@@ -163,27 +180,14 @@ def test_mistral_calls_read_whole_and_streamed(text, content, calls):
     calls that do not parse leave the answer all content. Streamed in pieces of any size: the same
     content (a tail that may open the tag held back) and the same calls, each with a nine-character
     id (Mistral's templates refuse others when the call comes back)."""
-    parser = MistralParser()
-    got_content, got_calls = parser.parse(text)
-    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
-    for size in (1, 2, 5, 11, len(text)):
-        streamed_content, pieces = streamed_auto(text, size, parser)
-        assert streamed_content == (content or "") and [p.index for p in pieces] == list(range(len(calls)))
-        assert [(p.function.name, json.loads(p.function.arguments)) for p in pieces] == calls
-        assert all(len(p.id) == 9 and p.id.isalnum() for p in pieces)
+    pieces = read_whole_and_streamed(MistralParser(), text, content, calls)
+    assert all(len(p.id) == 9 and p.id.isalnum() for p in pieces)
     fmt = ChatFormat(None, None, tool_mode=ToolMode("auto", parser="mistral"))
     message = fmt._message(text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == calls
     assert all(len(c.id) == 9 and c.id.isalnum() for c in message.tool_calls or [])
     # Through the format's chunks: the finish is "tool_calls" where calls came.
-    choice, deltas = Choice(), []
-    pieces = [text[i:i + 6] for i in range(0, len(text), 6)]
-    for i, piece in enumerate(pieces):
-        delta = CompletionOutput(0, piece, [i], 0.0, "stop" if i == len(pieces) - 1 else None)
-        fmt.present(0, None, delta, choice)
-        chunk = fmt.chunk("id", 0, "m", 0, delta, None, choice)
-        if chunk is not None:
-            deltas.append(chunk.choices[0])
+    deltas = chunk_choices(fmt, text, 6)
     assert "".join(d.delta.content or "" for d in deltas) == (message.content or "")
     assert [t.function.name for d in deltas for t in d.delta.tool_calls or []] == [n for n, _ in calls]
     assert deltas[-1].finish_reason == ("tool_calls" if calls else "stop")
@@ -248,14 +252,7 @@ def test_chat_format_shows_reasoning_apart_and_reads_calls_from_the_content():
             assert message.content == text.split("</think>")[1] and message.tool_calls is None
         else:
             assert message.content == "Sure. " and [c.function.name for c in message.tool_calls] == ["g"]
-        choice, deltas = Choice(), []
-        pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
-        for i, piece in enumerate(pieces):
-            delta = CompletionOutput(0, piece, [i], 0.0, "stop" if i == len(pieces) - 1 else None)
-            fmt.present(0, None, delta, choice)
-            chunk = fmt.chunk("id", 0, "m", 0, delta, None, choice)
-            if chunk is not None:
-                deltas.append(chunk.choices[0])
+        deltas = chunk_choices(fmt, text, 7)
         joined = {name: "".join(getattr(d.delta, name) or "" for d in deltas) for name in ("reasoning", "content")}
         assert joined == {"reasoning": message.reasoning, "content": message.content}
         calls = [t.function.name for d in deltas for t in d.delta.tool_calls or []]
