@@ -27,8 +27,8 @@ from multispec.serve.formats import ChatFormat, CompletionFormat
 from multispec.serve.generation import Generation, Run, Traffic
 from multispec.serve.guard import Guard
 from multispec.serve.metrics import Metrics
-from multispec.serve.sampling import (Limits, chat_inputs, chat_prompt, completion_inputs, structured_outputs,
-                                      tool_mode)
+from multispec.serve.sampling import (Limits, chat_echo, chat_inputs, chat_prompt, completion_inputs,
+                                      structured_outputs, tool_mode)
 from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from multispec.serve.tools import REASONING_PARSERS
@@ -159,7 +159,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
             inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),
-                         body.prompt_logprobs, tools, config.reasoning_parser, thinking)
+                         body.prompt_logprobs, tools, config.reasoning_parser, thinking, chat_echo(body))
         return await answer(body, inputs, fmt, request)
 
     @app.post("/tokenize")

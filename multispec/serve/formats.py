@@ -144,16 +144,18 @@ class ChatFormat:
 
     def __init__(self, tokenizer, top_logprobs: int | None, token_ids: bool = False,
                  prompt_logprobs: int | None = None, tool_mode: ToolMode | None = None,
-                 reasoning_parser: str | None = None, thinking: bool = True):
+                 reasoning_parser: str | None = None, thinking: bool = True, echo: str = ""):
         """``tool_mode``: how the answers hold tool calls; ``reasoning_parser``: how their reasoning
         is split from the content (``multispec.serve.tools``; the calls are read from the content);
-        ``thinking``: False where the request turned the model's thinking off (all content)."""
+        ``thinking``: False where the request turned the model's thinking off (all content);
+        ``echo``: text each answer's content starts with (``sampling.chat_echo``)."""
         self.token_text = _token_id if token_ids else _token_text(tokenizer)
         self.top_logprobs = top_logprobs
         self.prompt_logprobs = prompt_logprobs
         self.tool_mode = tool_mode
         self.reasoning_parser = reasoning_parser
         self.thinking = thinking
+        self.echo = echo
 
     def present(self, prompt: int, out: RequestOutput, delta: CompletionOutput,
                 choice: Choice) -> tuple[CompletionOutput, ChatLogprobs | None]:
@@ -175,9 +177,14 @@ class ChatFormat:
         return delta, self.logprobs(delta, choice)
 
     def opening(self, response_id: str, created: int, model: str, choices: int) -> list[BaseModel]:
-        """Each choice's first chunk carries the role only, as OpenAI's and vLLM's streams do."""
-        return [ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
+        """Each choice's first chunk carries the role only, as OpenAI's and vLLM's streams do; with
+        ``echo``, a second one the echoed text."""
+        chunks = [ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
             ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(choices)]
+        if self.echo:
+            chunks += [ChatCompletionChunk(id=response_id, created=created, model=model, choices=[
+                ChatChunkChoice(index=i, delta=Delta(content=self.echo))]) for i in range(choices)]
+        return chunks
 
     def logprobs(self, delta: CompletionOutput, choice: Choice) -> ChatLogprobs | None:
         """Each token's text, bytes and log-probability, with the ``top_logprobs`` likeliest tokens."""
@@ -224,6 +231,9 @@ class ChatFormat:
     def response(self, response_id: str, created: int, model: str, choices: list[Choice],
                  **extra) -> ChatCompletionResponse:
         messages = [self._message("".join(c.text)) for c in choices]
+        for message in messages:  # as vLLM: the echo goes before the content, whatever the answer holds
+            if self.echo:
+                message.content = self.echo + (message.content or "")
         return ChatCompletionResponse(id=response_id, created=created, model=model, choices=[
             ChatChoice(index=i, message=message, logprobs=c.logprobs, stop_reason=c.stop_reason,
                        finish_reason="tool_calls" if self.tool_mode is not None and self.tool_mode.kind == "auto"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields, replace
 from multispec.api import chat_options
 from multispec.params import SamplingParams, SpecConfig, StructuredOutputsParams, check_truncation, prompt_tail
 from multispec.serve.errors import from_value_error, invalid
-from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                     TokenizeRequest, unsupported)
+from multispec.serve.schemas import (UNSUPPORTED, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                     GenerationRequest, TokenizeRequest, unsupported)
 from multispec.serve.tools import ToolMode
 
 log = logging.getLogger("multispec.serve")
@@ -70,6 +70,23 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def message_text(message: ChatMessage) -> str:
+    """A message's content as text (text parts joined by newlines, as vLLM joins them)."""
+    content = message.content
+    return "\n".join(part.text for part in content) if isinstance(content, list) else content or ""
+
+
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each answer's content, as vLLM: the last message's text where it
+    has the answer's role (the assistant's, or the last message's own without a generation
+    prompt), else nothing."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt in (None, True) else last.role
+    return message_text(last) if last.role == role else ""
+
+
 def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, chat_template: str | None = None,
                 add_special_tokens: bool = False) -> list[int]:
     """The conversation rendered with the request's chat template, else the server's
@@ -79,11 +96,8 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
         raise invalid("messages", "messages is empty: give at least one message")
     conversation = []
     for message in request.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
         extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
-        conversation.append({"role": message.role, "content": content or "", "name": message.name, **extra})
+        conversation.append({"role": message.role, "content": message_text(message), "name": message.name, **extra})
     try:
         tools = getattr(request, "tools", None)
         options = chat_options(chat_template if request.chat_template is None else request.chat_template,

@@ -135,9 +135,12 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
     """With ``tools``: "required" or a named function (``{"type": "function", "function": {"name":
     ...}}``) make the answer tool calls, its arguments constrained to the functions' parameter
     schemas (exact under speculation); "none" renders the tools for the model and calls none;
-    "auto" (OpenAI's default with tools) needs the model's own tool-call format parsed, which this
-    server does not do, and is refused."""
+    "auto" (OpenAI's default with tools) reads the model's own calls out of its text, on a server
+    started with ``--enable-auto-tool-choice --tool-call-parser NAME`` (else refused)."""
     parallel_tool_calls: bool | None = None
+    echo: bool | None = None
+    """vLLM's: the answer's content starts with the last message's, where that message has the
+    answer's role (an assistant message the answer continues)."""
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None

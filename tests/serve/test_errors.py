@@ -51,7 +51,7 @@ BAD_CHAT = [
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "hi"}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"echo": True}, "echo"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"echo": "loud"}, "echo"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"stop": [""]}, "stop"),

@@ -239,6 +239,26 @@ def test_chat_template_options_as_llm_chat(client, tiny):
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_chat_echo_puts_the_continued_message_first(client, tiny):
+    """vLLM's ``echo`` on chat: where the last message is the assistant's and the answer continues
+    it, the content starts with that message's text, whole and streamed; after a user message
+    there is nothing to echo. The rest is LLM.chat's seeded text."""
+    continued = CHAT + [{"role": "assistant", "content": "jumps over"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    settings = dict(model="tiny", n=2, max_tokens=8, temperature=1.0, seed=6)
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=6)
+    for messages, extra, echoed in ((continued, options, "jumps over"), (CHAT, {}, "")):
+        want = [c.text for c in tiny.chat(messages, params, use_tqdm=False, **extra)[0].outputs]
+        got = client.chat.completions.create(messages=messages, extra_body={"echo": True, **extra}, **settings)
+        assert [c.message.content for c in got.choices] == [echoed + text for text in want]
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(messages=messages, stream=True,
+                                                    extra_body={"echo": True, **extra}, **settings):
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+        assert streamed == {i: echoed + text for i, text in enumerate(want)}
+
+
 class Animal(pydantic.BaseModel):
     animal: Literal["fox", "dog"]
     legs: int
