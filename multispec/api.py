@@ -111,10 +111,8 @@ class LLM:
         self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, self.dtype, self.device)
         limit = checkpoint.config.context_window
         if max_model_len is not None and not 1 < max_model_len <= limit:
-            window = checkpoint.config.sliding_window
-            why = (f" (its sliding_window={window}: longer sequences would need windowed attention, which "
-                   f"multispec does not run)" if window == limit and window < checkpoint.config.max_position_embeddings
-                   else "")
+            why = (f" (its sliding_window={limit}: longer sequences would need windowed attention, which "
+                   f"multispec does not run)" if limit < checkpoint.config.max_position_embeddings else "")
             raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model{why}")
         self.spec = spec or SpecConfig()
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),

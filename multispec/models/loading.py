@@ -194,7 +194,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
         raise ValueError(f"unsupported architecture {model_type!r}")
-    head_dim = _gguf_head_dim(gguf)
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields  # the metadata transformers' reader leaves out or gets wrong
+    head_dim = _gguf_head_dim(fields)
     if head_dim is not None:
         config_dict["head_dim"] = head_dim
     config = AutoConfig.for_model(**config_dict)
@@ -216,34 +219,28 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
     tokenizer.save_pretrained(out, save_jinja_files=False)
-    _eos_token_from_gguf(gguf, out / "tokenizer_config.json")
+    _eos_token_from_gguf(fields, out / "tokenizer_config.json")
 
 
-def _gguf_head_dim(gguf: Path) -> int | None:
+def _gguf_head_dim(fields: dict) -> int | None:
     """The width of an attention head where the file gives one (llama.cpp's
     ``<arch>.attention.key_length``). transformers' converter does not read it for every
     architecture and falls back to hidden / heads, or to Qwen3's default of 128, which is wrong for
     a model whose heads are of another width."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(gguf).fields
     arch = fields.get("general.architecture")
     length = fields.get(f"{arch.contents()}.attention.key_length") if arch is not None else None
     return int(length.contents()) if length is not None else None
 
 
-def _eos_token_from_gguf(gguf: Path, tokenizer_config: Path) -> None:
+def _eos_token_from_gguf(fields: dict, tokenizer_config: Path) -> None:
     """Name the EOS token in ``tokenizer_config`` as the GGUF's own metadata does.
 
     The EOS token decides where generation stops, and transformers' GGUF tokenizer has not always
     carried it over (5.17 wrote a Llama GGUF's BOS token as its EOS), so the file's
     ``tokenizer.ggml.eos_token_id`` is authoritative. The BOS stays as transformers reads it: its
     converter drops the BOS that llama.cpp's files name for models that have none (Qwen2)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    field = reader.fields.get("tokenizer.ggml.eos_token_id")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    field = fields.get("tokenizer.ggml.eos_token_id")
     if field is None or tokens is None:
         return
     token_id = int(field.contents())

@@ -106,6 +106,28 @@ class ForcedToolStream:
         return "", pieces
 
 
+class _CallStream:
+    """What the streams of "auto" answers share: the content released and the calls read since the
+    last ``take``, each call sent whole with an id of its parser's kind."""
+
+    def __init__(self, parser):
+        self.parser = parser
+        self.content: list[str] = []
+        self.pending: list[DeltaToolCall] = []
+        self.sent = 0
+
+    def _send(self, name: str, arguments: str) -> None:
+        self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
+                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
+        self.sent += 1
+
+    def take(self) -> tuple[str, list[DeltaToolCall]]:
+        """The content released and the calls read since the last take."""
+        text, calls = "".join(self.content), self.pending
+        self.content, self.pending = [], []
+        return text, calls
+
+
 class HermesParser:
     """The Hermes format (Qwen2.5, Hermes 2/3 and others): each call is a JSON object
     ``{"name", "arguments"}`` between ``<tool_call>`` and ``</tool_call>``; the text before the
@@ -204,7 +226,7 @@ class Llama3JsonParser:
         return None, calls
 
 
-class Llama3JsonStream:
+class Llama3JsonStream(_CallStream):
     """A streamed "auto" answer in Llama 3's JSON format: held back until its first characters say
     whether it is calls (``Llama3JsonParser.calls_start``); content is then released as it comes,
     and calls are sent whole, each once its object closes. Where a later object is no call, the
@@ -212,13 +234,10 @@ class Llama3JsonStream:
     cannot take back the calls it sent)."""
 
     def __init__(self, parser: Llama3JsonParser):
-        self.parser = parser
+        super().__init__(parser)
         self.buffer = ""
         self.start: int | None = -1  # where the calls begin; None: the answer is content
         self.at = 0  # the end of the last call sent (or where the calls begin)
-        self.content: list[str] = []
-        self.pending: list[DeltaToolCall] = []
-        self.sent = 0
 
     def feed(self, text: str) -> None:
         released = len(self.buffer) if self.start is None else None
@@ -241,9 +260,7 @@ class Llama3JsonStream:
             call, end = self.parser.call(self.buffer, begin)
             if call is None:
                 return
-            self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
-                                              function=DeltaFunctionCall(name=call[0], arguments=call[1])))
-            self.sent += 1
+            self._send(*call)
             self.at = end
 
     def finish(self) -> None:
@@ -254,12 +271,6 @@ class Llama3JsonStream:
         rest = self.buffer[self.parser.next_object(self.buffer, self.at):] if self.sent else self.buffer
         if rest:
             self.content.append(rest)
-
-    def take(self) -> tuple[str, list[DeltaToolCall]]:
-        """The content released and the calls completed since the last take."""
-        text, calls = "".join(self.content), self.pending
-        self.content, self.pending = [], []
-        return text, calls
 
 
 def _json_text(arguments) -> str:
@@ -314,20 +325,17 @@ class MistralParser:
         return [(call["name"], _json_text(call.get("arguments", {}))) for call in listed]
 
 
-class MistralStream:
+class MistralStream(_CallStream):
     """A streamed "auto" answer in Mistral's format: the content is released as it comes (a tail
     that may open ``[TOOL_CALLS]`` held back); from the tag on the text is held and read when the
     answer ends, into calls, or into content where they do not parse (so the pieces join to the
     whole answer's reading)."""
 
     def __init__(self, parser: MistralParser):
-        self.parser = parser
+        super().__init__(parser)
         self.buffer = ""
         self.released = 0
         self.opened: int | None = None  # where [TOOL_CALLS] starts, once seen
-        self.content: list[str] = []
-        self.pending: list[DeltaToolCall] = []
-        self.sent = 0
 
     def feed(self, text: str) -> None:
         self.buffer += text
@@ -348,23 +356,15 @@ class MistralStream:
         if not calls:
             self.content.append(self.buffer[self.opened:])
             return
-        self.pending = [DeltaToolCall(index=i, id=self.parser.new_id(), type="function",
-                                      function=DeltaFunctionCall(name=name, arguments=arguments))
-                        for i, (name, arguments) in enumerate(calls)]
-        self.sent = len(calls)
-
-    def take(self) -> tuple[str, list[DeltaToolCall]]:
-        """The content released and the calls read since the last take."""
-        text, calls = "".join(self.content), self.pending
-        self.content, self.pending = [], []
-        return text, calls
+        for call in calls:
+            self._send(*call)
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 """``--tool-call-parser`` names."""
 
 
-class AutoToolStream:
+class AutoToolStream(_CallStream):
     """A streamed "auto" answer read as it arrives: its content (the text before the first call) is
     released as it comes, except a tail that could be the start of a call's opening tag; each
     call is sent whole once its closing tag arrives (or the answer ends inside it). A call that
@@ -372,13 +372,10 @@ class AutoToolStream:
     back the calls it sent before)."""
 
     def __init__(self, parser: HermesParser):
-        self.parser = parser
+        super().__init__(parser)
         self.buffer = ""
         self.at = 0  # how much of the buffer is released or sent
         self.inside = self.called = False
-        self.content: list[str] = []
-        self.pending: list[DeltaToolCall] = []
-        self.sent = 0
 
     def feed(self, text: str) -> None:
         self.buffer += text
@@ -407,9 +404,7 @@ class AutoToolStream:
         if call is None:
             self.content.append(self.buffer[opened:after])
         else:
-            self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
-                                              function=DeltaFunctionCall(name=call[0], arguments=call[1])))
-            self.sent += 1
+            self._send(*call)
         self.at, self.inside = after, False
 
     def _release(self, upto: int) -> None:
@@ -419,12 +414,6 @@ class AutoToolStream:
             if not self.called:
                 self.content.append(self.buffer[self.at:upto])
             self.at = upto
-
-    def take(self) -> tuple[str, list[DeltaToolCall]]:
-        """The content released and the calls completed since the last take."""
-        text, calls = "".join(self.content), self.pending
-        self.content, self.pending = [], []
-        return text, calls
 
 
 def _partial(text: str, tag: str, start: int) -> int:
