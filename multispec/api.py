@@ -111,9 +111,9 @@ class LLM:
         self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, self.dtype, self.device)
         limit = checkpoint.config.context_window
         if max_model_len is not None and not 1 < max_model_len <= limit:
-            why = (f" (its sliding_window={limit}: longer sequences would need windowed attention, which "
-                   f"multispec does not run)" if limit < checkpoint.config.max_position_embeddings else "")
-            raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model{why}")
+            why = checkpoint.config.context_window_reason()
+            raise ValueError(f"max_model_len={max_model_len!r}: must be in [2, {limit}] for this model"
+                             + (f" ({why})" if why else ""))
         self.spec = spec or SpecConfig()
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
                                      model_key=weights_key(path), cache_dir=cache_dir,

@@ -42,13 +42,22 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
     },
+    "Phi3ForCausalLM": {
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,  # what LongRoPE's short factors were trained for
+        "num_key_value_heads": None,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+    },
 }
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "qwen3": "Qwen3ForCausalLM"}
+                              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Scaled RoPE types that are defined relative to the pre-training context length.
-_NEEDS_ORIGINAL_MAX = ("llama3", "yarn")
+_NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,11 @@ class ModelConfig:
     Llama and Qwen3 it also puts a bias on o_proj, see the checkpoint's tensors).
     ``qk_norm``: each head of q and k is RMS-normalised (its own weight per layer) before the
     rotation (Qwen3). ``sliding_window``: the number of positions a query sees in the layers that
-    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``), None where every
-    layer attends to the whole sequence; the network attends to the whole sequence always, which
-    is the same thing for sequences of at most that length, so ``context_window`` stops there.
+    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``, Phi-3's), None where
+    every layer attends to the whole sequence; the network attends to the whole sequence always,
+    which is the same thing for sequences of at most that length, so ``context_window`` stops
+    there. ``partial_rotary_factor``: the share of each head's dimensions that is rotated (the
+    first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
     """
 
     architecture: str
@@ -85,13 +96,34 @@ class ModelConfig:
     eos_token_ids: list[int]
     qk_norm: bool = False
     sliding_window: int | None = None
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions are rotated (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def context_window(self) -> int:
         """The longest sequence (prompt and output) the network computes exactly."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        return min(limit for limit, _ in self._context_limits())
+
+    def context_window_reason(self) -> str:
+        """Why ``context_window`` is below ``max_position_embeddings`` ("" where it is not)."""
+        limit = self.context_window
+        return next((why for length, why in self._context_limits() if length == limit and why), "")
+
+    def _context_limits(self) -> list[tuple[int, str]]:
+        limits = [(self.max_position_embeddings, "")]
+        if self.sliding_window is not None:
+            limits.append((self.sliding_window, f"its sliding_window={self.sliding_window}: longer sequences would "
+                                                "need windowed attention, which multispec does not run"))
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope" and scaling["long_factor"] != scaling["short_factor"]:
+            original = scaling["original_max_position_embeddings"]
+            limits.append((original, f"its LongRoPE original_max_position_embeddings={original}: past it the "
+                                     "model rotates by other factors than those its cached keys were rotated by"))
+        return limits
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -105,7 +137,18 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         kv_heads = d.get("num_key_value_heads", defaults["num_key_value_heads"])
         max_positions = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
-        rope_theta, rope_scaling = _rope(d, max_positions)
+        activation = d.get("hidden_act") or "silu"
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {activation!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        rope_theta, rope_scaling = _rope(d, max_positions, architecture)
+        head_dim = int(d.get("head_dim") or defaults.get("head_dim") or d["hidden_size"] // heads)
+        partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or d.get("rope_scaling") or {}).get(
+            "partial_rotary_factor") or 1.0)
+        rotary_dim = int(head_dim * partial)
+        if not 0 < partial <= 1 or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial}: must rotate an even number of each head's "
+                             f"{head_dim} dimensions")
+        _check_longrope(rope_scaling, rotary_dim)
         return cls(
             architecture=architecture,
             vocab_size=int(d["vocab_size"]),
@@ -114,9 +157,9 @@ class ModelConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
-            head_dim=int(d.get("head_dim") or defaults.get("head_dim") or d["hidden_size"] // heads),
+            head_dim=head_dim,
             max_position_embeddings=max_positions,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -127,6 +170,7 @@ class ModelConfig:
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(d, architecture),
+            partial_rotary_factor=partial,
         )
 
 
@@ -145,9 +189,12 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
     """The window of the layers that attend through one, as transformers reads it: Mistral's
     ``sliding_window`` (4096 where the key is absent, none where it is null); for Qwen2 and Qwen3
     the layers ``layer_types`` names "sliding_attention", or, without that list, those from
-    ``max_window_layers`` on where ``use_sliding_window`` is set."""
+    ``max_window_layers`` on where ``use_sliding_window`` is set; Phi-3's ``sliding_window`` (none
+    where absent)."""
     if architecture == "MistralForCausalLM":
         window = d.get("sliding_window", 4096)
+    elif architecture == "Phi3ForCausalLM":
+        window = d.get("sliding_window")
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         layer_types = d.get("layer_types")
         if layer_types is not None:
@@ -161,23 +208,40 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
     return int(window) if window else None
 
 
-def _rope(d: dict, max_positions: int) -> tuple[float, dict | None]:
+def _rope(d: dict, max_positions: int, architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from either the old or the new spelling."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    params.pop("partial_rotary_factor", None)  # ModelConfig's own field
     rope_type = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's earlier names for it, as transformers reads them
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     if rope_type in _NEEDS_ORIGINAL_MAX:
-        # A top-level value wins, as in transformers (some configs keep it outside the dict).
-        original = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        # A top-level value wins, as in transformers (some configs keep it outside the dict), and
+        # so does Phi-3's default for it, which transformers' Phi3Config always holds.
+        original = (d.get("original_max_position_embeddings")
+                    or _ARCH_DEFAULTS[architecture].get("original_max_position_embeddings")
+                    or params.get("original_max_position_embeddings"))
         params["original_max_position_embeddings"] = int(original or max_positions)
-    if rope_type != "yarn" and params.get("factor") is None:
+    if rope_type not in ("yarn", "longrope") and params.get("factor") is None:
         raise ValueError(f"RoPE type {rope_type!r} needs a 'factor' in the config")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _check_longrope(scaling: dict | None, rotary_dim: int) -> None:
+    """LongRoPE's two lists of factors, one per rotated pair of dimensions, or a ValueError."""
+    if not scaling or scaling["rope_type"] != "longrope":
+        return
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2 or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors):
+            raise ValueError(f"RoPE type 'longrope' needs {key!r}: a list of {rotary_dim // 2} positive numbers")
 
 
 def read_json_object(path: Path) -> dict:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM, Mistral, Qwen2) in plain PyTorch, over packed tokens.
+"""The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3) in plain PyTorch, over packed tokens.
 
 The network never sees a batch dimension: every call runs ``T`` new tokens of any number of
 sequences concatenated, so each matrix multiply sees exactly the tokens that exist. How the
@@ -312,6 +312,52 @@ def _affine_layout(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.multispec.affine_pack(weight.detach())
 
 
+def rotary_order(head_dim: int, rotary_dim: int) -> list[int] | None:
+    """Where each dimension of a head goes so that a partial rotation becomes a whole one (None
+    where every dimension is rotated). transformers rotates the first ``rotary_dim`` dimensions as
+    pairs ``rotary_dim / 2`` apart and passes the rest; this order puts those pairs ``head_dim / 2``
+    apart, as the network's (and the compiled kernels') rotation pairs them, and the passed
+    dimensions where the rotation tables hold cos 1 and sin 0. The same order for q and k leaves
+    every attention score as it was."""
+    if rotary_dim == head_dim:
+        return None
+    rotated, passed = rotary_dim // 2, head_dim // 2 - rotary_dim // 2
+    first = [*range(rotated), *range(rotary_dim, rotary_dim + passed)]
+    return first + [*range(rotated, rotary_dim), *range(rotary_dim + passed, head_dim)]
+
+
+def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under this network's names and in its layout: Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj`` split into the Llama products (the network fuses them again,
+    in its own way), and, where only part of each head is rotated, q's and k's dimensions put in
+    ``rotary_order``. Other checkpoints come back as they are."""
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    out = {}
+    for name, tensor in tensors.items():
+        stem, _, kind = name.rpartition(".")
+        if stem.endswith("self_attn.qkv_proj"):
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+            base = stem[: -len("qkv_proj")]
+            out.update({f"{base}q_proj.{kind}": q, f"{base}k_proj.{kind}": k, f"{base}v_proj.{kind}": v})
+        elif stem.endswith("mlp.gate_up_proj"):
+            gate, up = tensor.chunk(2)
+            base = stem[: -len("gate_up_proj")]
+            out.update({f"{base}gate_proj.{kind}": gate, f"{base}up_proj.{kind}": up})
+        else:
+            out[name] = tensor
+    order = rotary_order(config.head_dim, config.rotary_dim)
+    if order is None:
+        return out
+    order = torch.tensor(order)
+    for name, tensor in out.items():
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                          "self_attn.k_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            heads = tensor.shape[0] // config.head_dim
+            out[name] = tensor.reshape(heads, config.head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+    return out
+
+
 class LlamaForCausalLM(nn.Module):
     """Packed-token causal LM: ``forward(token_ids[T], positions[T], attention) -> logits[T, V]``."""
 
@@ -342,10 +388,15 @@ class LlamaForCausalLM(nn.Module):
             length = max(max_position, 2 * self._rope_len, 1024)
             inv_freq, scale = rope_inv_freq(self.config, length)
             angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-            angles = torch.cat((angles, angles), dim=-1)
+            # Dimensions past the rotated ones (partial rotary, laid out by ``rotary_order``) pass
+            # unchanged: cos 1 and sin 0, unscaled.
+            half = self.config.head_dim // 2
+            cos, sin = torch.ones(length, half), torch.zeros(length, half)
+            cos[:, : inv_freq.numel()], sin[:, : inv_freq.numel()] = angles.cos() * scale, angles.sin() * scale
             dtype = self.model.embed_tokens.weight.dtype
             device = self.model.embed_tokens.weight.device
-            self._rope_cache = ((angles.cos() * scale).to(device, dtype), (angles.sin() * scale).to(device, dtype))
+            self._rope_cache = (torch.cat((cos, cos), dim=-1).to(device, dtype),
+                                torch.cat((sin, sin), dim=-1).to(device, dtype))
             self._rope_len = length
         return self._rope_cache
 
@@ -456,6 +507,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         expected = set(model.state_dict())
+        tensors = network_layout(config, tensors)
         given = {k for k in tensors if not k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
             given.discard("lm_head.weight")

@@ -196,10 +196,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise ValueError(f"unsupported architecture {model_type!r}")
     from gguf import GGUFReader
 
-    fields = GGUFReader(gguf).fields  # the metadata transformers' reader leaves out or gets wrong
+    reader = GGUFReader(gguf)  # for the metadata transformers' reader leaves out or gets wrong
+    fields = reader.fields
     head_dim = _gguf_head_dim(fields)
     if head_dim is not None:
         config_dict["head_dim"] = head_dim
+    if model_type == "phi3":
+        config_dict.update(_gguf_phi3_rope_and_window(reader, config_dict))
     config = AutoConfig.for_model(**config_dict)
     config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
 
@@ -230,6 +233,40 @@ def _gguf_head_dim(fields: dict) -> int | None:
     arch = fields.get("general.architecture")
     length = fields.get(f"{arch.contents()}.attention.key_length") if arch is not None else None
     return int(length.contents()) if length is not None else None
+
+
+def _gguf_phi3_rope_and_window(reader, config: dict) -> dict:
+    """What a Phi-3 GGUF says of its rotation and window that transformers' converter drops: the
+    rotated share of each head (``phi3.rope.dimension_count``, Phi-4-mini's 96 of 128), LongRoPE's
+    factors (llama.cpp keeps them as the tensors ``rope_factors_short``/``rope_factors_long``,
+    with ``phi3.rope.scaling.original_context_length`` and ``attn_factor``) and the sliding window
+    (0: none). Left out, the model would be converted into another one."""
+    fields = reader.fields
+
+    def value(key: str):
+        field = fields.get(f"phi3.{key}")
+        return field.contents() if field is not None else None
+
+    out = {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rotated = value("rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:
+        out["partial_rotary_factor"] = int(rotated) / head_dim
+    if value("attention.sliding_window"):
+        out["sliding_window"] = int(value("attention.sliding_window"))
+    factors = {t.name: [float(f) for f in t.data] for t in reader.tensors
+               if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+    if factors:
+        if len(factors) != 2 or value("rope.scaling.original_context_length") is None:
+            raise ValueError("LongRoPE needs rope_factors_short, rope_factors_long and "
+                             "phi3.rope.scaling.original_context_length")
+        out["original_max_position_embeddings"] = int(value("rope.scaling.original_context_length"))
+        out["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+                               "long_factor": factors["rope_factors_long.weight"],
+                               "rope_theta": config.get("rope_theta", 10000.0)}
+        if value("rope.scaling.attn_factor") is not None:
+            out["rope_scaling"]["attention_factor"] = float(value("rope.scaling.attn_factor"))
+    return out
 
 
 def _eos_token_from_gguf(fields: dict, tokenizer_config: Path) -> None:

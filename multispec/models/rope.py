@@ -15,7 +15,7 @@ from multispec.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin scale factor.
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32) and the cos/sin scale factor.
 
     ``seq_len`` matters only for ``dynamic`` (NTK) scaling, whose base grows once the
     sequence is longer than ``max_position_embeddings``; callers that cache the table
@@ -23,7 +23,7 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
     """
     scaling = config.rope_scaling or {"rope_type": "default"}
     rope_type = scaling["rope_type"]
-    dim = config.head_dim
+    dim = config.rotary_dim
     if rope_type == "default":
         return _base_inv_freq(config.rope_theta, dim), 1.0
     if rope_type == "linear":
@@ -34,6 +34,8 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
         return _llama3(config, scaling), 1.0
     if rope_type == "yarn":
         return _yarn(config, scaling)
+    if rope_type == "longrope":
+        return _longrope(config, scaling)
     raise ValueError(f"unsupported RoPE type {rope_type!r}")
 
 
@@ -46,7 +48,7 @@ def _dynamic(config: ModelConfig, factor: float, seq_len: int | None) -> torch.T
     """NTK-aware scaling: raise the base so the longest wavelength stretches to ``seq_len``."""
     trained = config.max_position_embeddings
     length = max(seq_len or trained, trained)
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta * (factor * length / trained - (factor - 1)) ** (dim / (dim - 2))
     return _base_inv_freq(base, dim)
 
@@ -54,7 +56,7 @@ def _dynamic(config: ModelConfig, factor: float, seq_len: int | None) -> torch.T
 def _llama3(config: ModelConfig, scaling: dict) -> torch.Tensor:
     """Llama 3.1: slow (long-wavelength) components are divided by ``factor``, fast ones kept,
     and the band in between interpolated smoothly."""
-    inv_freq = _base_inv_freq(config.rope_theta, config.head_dim)
+    inv_freq = _base_inv_freq(config.rope_theta, config.rotary_dim)
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
@@ -68,7 +70,7 @@ def _llama3(config: ModelConfig, scaling: dict) -> torch.Tensor:
 
 def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, keep high ones, ramp between, and rescale attention."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or config.max_position_embeddings / original
@@ -98,6 +100,22 @@ def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     interpolated = extrapolated / factor
     keep = 1 - ramp  # 1 where the original frequency is kept, 0 where it is interpolated
     return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def _longrope(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its own searched factor, and attention rescaled
+    by sqrt(1 + ln(factor) / ln(original)). The short factors are the ones for sequences within
+    ``original_max_position_embeddings``, which ``ModelConfig.context_window`` keeps sequences to
+    wherever the long ones differ (past it the model switches to those for every new token)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    dim = config.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * config.rope_theta**exponents), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
@@ -66,6 +67,7 @@ _GGUF_LAYER_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused products
 }
 _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -105,6 +107,16 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     if getattr(config, "head_dim", None):  # as llama.cpp writes it, where heads are not hidden / heads wide
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 model's rotation and window
+        head_dim = config.hidden_size // config.num_attention_heads
+        rope = config.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_sliding_window(config.sliding_window or 0)
+        writer.add_pad_token_id(0)  # Phi3Config's default (32000) lies outside the tiny vocabulary
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])

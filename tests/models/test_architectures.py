@@ -1,7 +1,8 @@
-"""Each architecture end to end through ``LLM``: a tiny random Qwen3 checkpoint (per-head q/k
-norms, heads wider than hidden / heads) generates what transformers' own model generates, with
-and without speculation; a Mistral checkpoint with a sliding window keeps its sequences within
-the window, where attending to the whole sequence is the same thing.
+"""Each architecture end to end through ``LLM``: tiny random Qwen3 (per-head q/k norms, heads
+wider than hidden / heads) and Phi-3 checkpoints (fused products, partial rotation, LongRoPE)
+generate what transformers' own model generates, with and without speculation; a Mistral
+checkpoint with a sliding window keeps its sequences within the window, where attending to the
+whole sequence is the same thing, and a Phi-3 one with LongRoPE within its original length.
 
 Greedy decoding in float32: transformers and multispec agree to about 1e-5 on these logits
 (tests/models/test_parity.py), and no top-two gap over the tokens compared is below 4e-3 with
@@ -87,3 +88,53 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="max_model_len=48"):
         llm.generate([{"prompt_token_ids": list(range(10, 60))}], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def save_phi3(directory):
+    """Phi-4-mini's kind of checkpoint, small: three quarters of each head rotated, LongRoPE with
+    distinct short and long factors (so sequences stop at the original 64 positions), tied."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.8, 4.0],
+            "long_factor": [6.0] * 6}
+    config = transformers.Phi3Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                     rope_scaling=rope, max_position_embeddings=256,
+                                     original_max_position_embeddings=64, tie_word_embeddings=True,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(4)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    rows = 6 * 16  # q and k (4 + 2 heads of 16) sharpened, as a trained model's attention is
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight[:rows] *= 8
+    model.save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return model
+
+
+def test_phi3_generates_what_transformers_generates(tmp_path):
+    hf = save_phi3(tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len=100.*\[2, 64\].*original_max_position_embeddings=64"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
+    assert llm.config.architecture == "Phi3ForCausalLM" and llm.config.rotary_dim == 12
+    prompt = llm.tokenizer.encode("Hello world! The quick brown fox")
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[0, len(prompt):].tolist()
+    want_logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, want)]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+    plain = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in plain.outputs] == [want, want]
+    # Each token's log-probability as transformers computes it (a wrong rotation of a few
+    # dimensions can leave the greedy tokens as they are, not these).
+    got_logprobs = [step[t] for step, t in zip(plain.outputs[0].logprobs, want)]
+    assert got_logprobs == pytest.approx(want_logprobs, abs=1e-3)
+    spec = SpecConfig(drafter="consensus", max_draft_tokens=4, adaptive=False)
+    drafted = llm.generate([{"prompt_token_ids": prompt}], params, spec=spec, use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in drafted.outputs] == [want, want]
+    assert llm.last_stats.accepted_tokens > 0
+    # The original length bounds the sequence: 64 positions in all.
+    out = llm.generate([{"prompt_token_ids": list(range(10, 70))}], SamplingParams(max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"

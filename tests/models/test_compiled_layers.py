@@ -35,6 +35,11 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif kind == "qwen3":  # q and k heads normalised, heads wider than hidden / heads
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    elif kind == "phi3":  # fused products in the checkpoint, half of each head rotated, LongRoPE's scale
+        rope = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0], "long_factor": [4.0] * 4}
+        hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **common, partial_rotary_factor=0.5, rope_scaling=rope, original_max_position_embeddings=128,
+            pad_token_id=0))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=kind == "llama-bias",
                                                                     mlp_bias=kind == "llama-bias"))
@@ -74,7 +79,7 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
     return logits, cache.sample_k.clone(), cache.sample_v.clone()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):

@@ -14,6 +14,7 @@ import transformers
 from multispec.models.config import ModelConfig, token_id_list
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4)
+PHI3 = dict(model_type="phi3", **SMALL, pad_token_id=0)  # Phi3Config's default pad id lies past this vocabulary
 
 CASES = {
     # Only the required keys: everything else comes from each architecture's defaults.
@@ -53,7 +54,26 @@ CASES = {
                               use_sliding_window=True, max_window_layers=1),
     "qwen3-window-past-the-layers": dict(model_type="qwen3", **SMALL, sliding_window=128, use_sliding_window=True,
                                          max_window_layers=1),
+    # Phi-3: Phi-3-mini-4k's window; Phi-3-mini-128k's LongRoPE under its first name ("su"), the
+    # original length given at the top; Phi-4-mini's partial rotation with LongRoPE; factors that
+    # are all the same (no switch past the original length, so no limit there).
+    "phi3-minimal": dict(architectures=["Phi3ForCausalLM"], **PHI3),
+    "phi3-window": dict(**PHI3, sliding_window=2047, eos_token_id=[32000, 32007]),
+    "phi3-su": dict(**PHI3, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                    rope_scaling={"type": "su", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                                  "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]}),
+    "phi4-mini-like": dict(**PHI3, num_key_value_heads=2, tie_word_embeddings=True,
+                           partial_rotary_factor=0.75, max_position_embeddings=131072,
+                           original_max_position_embeddings=4096, rope_theta=250000.0,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+                                         "long_factor": [4.0, 4.5, 5.0, 5.5, 6.0, 6.5]}),
+    "phi3-same-factors": dict(**PHI3, max_position_embeddings=8192,
+                              rope_scaling={"rope_type": "longrope", "short_factor": [1.5] * 8,
+                                            "long_factor": [1.5] * 8, "attention_factor": 1.2}),
 }
+LONGROPE_LIMITS = {"phi3-su": 4096, "phi4-mini-like": 4096}
+"""Where LongRoPE's two factor lists differ, the network stops at the original length: past it
+transformers rotates new tokens by the long factors and cached keys keep the short ones."""
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -71,19 +91,26 @@ def test_matches_transformers(case):
                   "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id"):
         assert getattr(ours, field) == getattr(hf, field), field
     assert ours.head_dim == attn.head_dim
-    assert ours.num_key_value_heads == attn.k_proj.out_features // attn.head_dim
-    assert ours.attention_bias == (attn.q_proj.bias is not None)
+    if hasattr(attn, "qkv_proj"):  # Phi-3's fused q, k and v
+        kv_rows = (attn.qkv_proj.out_features - ours.num_attention_heads * attn.head_dim) // 2
+        q_bias, gate = attn.qkv_proj.bias, mlp.gate_up_proj
+    else:
+        kv_rows, q_bias, gate = attn.k_proj.out_features, attn.q_proj.bias, mlp.gate_proj
+    assert ours.num_key_value_heads == kv_rows // attn.head_dim
+    assert ours.attention_bias == (q_bias is not None)
     assert (attn.o_proj.bias is not None) == (ours.attention_bias and ours.architecture != "Qwen2ForCausalLM")
     assert ours.qk_norm == (getattr(attn, "q_norm", None) is not None) == (getattr(attn, "k_norm", None) is not None)
     layer_types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None) if layer_types is None or "sliding_attention" in layer_types else None
     assert ours.sliding_window == window
-    assert ours.context_window == min(ours.max_position_embeddings, window or ours.max_position_embeddings)
-    assert ours.mlp_bias == (mlp.gate_proj.bias is not None)
+    assert ours.context_window == min(ours.max_position_embeddings, window or ours.max_position_embeddings,
+                                      LONGROPE_LIMITS.get(case, ours.max_position_embeddings))
+    assert ours.mlp_bias == (gate.bias is not None)
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
 
     rope = dict(hf.rope_parameters)
     assert ours.rope_theta == rope.pop("rope_theta")
+    assert ours.partial_rotary_factor == rope.pop("partial_rotary_factor", 1.0)
     rope.pop("type", None)
     if rope["rope_type"] == "default":
         assert ours.rope_scaling is None
@@ -107,10 +134,35 @@ def test_unsupported_architecture_is_named():
 
 
 def test_unsupported_rope_type_is_named():
-    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
-    d = dict(CASES["llama-minimal"], rope_scaling=longrope)
-    with pytest.raises(ValueError, match="longrope"):
+    d = dict(CASES["llama-minimal"], rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    with pytest.raises(ValueError, match="proportional"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_unsupported_activation_is_named():
+    """A checkpoint whose MLP is not SiLU-gated would run as another model."""
+    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+        ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="gelu_pytorch_tanh"))
+    assert ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="silu")).architecture
+
+
+@pytest.mark.parametrize("rope, partial, match", [
+    ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}, 1.0, "short_factor.*8"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8}, 1.0, "long_factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7 + [0.0]}, 1.0, "positive"),
+    ({"rope_type": "default"}, 0.1, "partial_rotary_factor=0.1"),
+    ({"rope_type": "default"}, 1.5, "partial_rotary_factor=1.5"),
+])
+def test_bad_rotation_is_named(rope, partial, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(dict(CASES["phi3-minimal"], rope_scaling=rope, partial_rotary_factor=partial))
+
+
+def test_context_window_says_why():
+    assert ModelConfig.from_hf_dict(CASES["phi3-minimal"]).context_window_reason() == ""
+    assert "sliding_window=2047" in ModelConfig.from_hf_dict(CASES["phi3-window"]).context_window_reason()
+    assert "original_max_position_embeddings=4096" in ModelConfig.from_hf_dict(
+        CASES["phi3-su"]).context_window_reason()
 
 
 def test_missing_required_key_is_named():

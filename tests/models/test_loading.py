@@ -93,6 +93,26 @@ def test_tiny_gguf_round_trip(arch, tmp_path):
     assert checkpoint.tokenizer.eos_token_ids == [checkpoint.tokenizer.token_to_id("<|end|>")]
 
 
+def test_phi3_gguf_keeps_its_rotation_and_window(tmp_path):
+    """A Phi-3 GGUF (fused q/k/v and gate/up products) comes back with its tensors, and with the
+    partial rotation, LongRoPE factors and sliding window that llama.cpp writes and transformers'
+    converter leaves out: without them the model would be another one."""
+    source = tmp_path / "source"
+    save_tiny(source, "phi3", tie=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    gguf = tmp_path / "tiny-phi3.gguf"
+    write_tiny_gguf(gguf, hf, source, "phi3")
+
+    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    assert_tensors_match_transformers(checkpoint, hf)
+    got, want = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
+    assert got.architecture == "Phi3ForCausalLM" and got.rotary_dim == 4
+    for field in ("head_dim", "partial_rotary_factor", "rope_theta", "rope_scaling", "sliding_window",
+                  "context_window"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.context_window == 64  # LongRoPE's original length, below the window of 200
+
+
 def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
     """Where transformers' GGUF tokenizer names another EOS token than the file does (5.17 named
     a Llama file's BOS), the file's ``tokenizer.ggml.eos_token_id`` wins: it decides where
@@ -178,6 +198,11 @@ def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif kind == "qwen3":  # heads twice hidden / heads wide, as Qwen3's small models have them
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+    elif kind == "phi3":  # half of each head rotated, LongRoPE and a window, as Phi-3.5 and Phi-4-mini have
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.25], "long_factor": [2.0, 3.5]}
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **common, rope_parameters=rope, original_max_position_embeddings=64, sliding_window=200, pad_token_id=0))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(directory, **save_kwargs)

@@ -1,7 +1,8 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama, Qwen2 and Qwen3 checkpoints (GQA, biases, tied and untied heads,
-rope scaling, Qwen3's per-head q/k norms and heads wider than hidden / heads) and on the real
+Checked on tiny random Llama, Qwen2, Qwen3 and Phi-3 checkpoints (GQA, biases, tied and untied
+heads, rope scaling, Qwen3's per-head q/k norms and heads wider than hidden / heads, Phi-3's fused
+products, LongRoPE and partial rotation) and on the real
 default model. Tolerance: max abs diff 1e-3 on fp32 logits; a wrong
 rope, mask or cache index moves logits by far more.
 """
@@ -33,6 +34,14 @@ def tiny(kind: str, **overrides):
             for name, weight in hf.named_parameters():
                 if name.endswith("norm.weight"):
                     weight.add_(0.3 * torch.randn_like(weight))
+    elif kind == "phi3":
+        hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
+        # q and k larger than at initialisation, so that attention is sharp, as a trained model's is:
+        # nearly uniform attention would hide a wrong rotation or scale of a few dimensions.
+        rows = (hf.config.num_attention_heads + hf.config.num_key_value_heads) * hf.model.layers[0].self_attn.head_dim
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.qkv_proj.weight[:rows] *= 8
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
@@ -49,6 +58,16 @@ CASES = {
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     "qwen3-bias-untied": ("qwen3", dict(head_dim=16, attention_bias=True, tie_word_embeddings=False)),
+    # Phi-3: fused q/k/v and gate/up in the checkpoint; Phi-3-mini-128k's LongRoPE (within the
+    # original length: the 80 tokens below); Phi-4-mini's partial rotation, tied.
+    "phi3": ("phi3", dict(tie_word_embeddings=False)),
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=96, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
+        "long_factor": [8.0] * 8})),
+    "phi4-mini-partial": ("phi3", dict(tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=250000.0,
+                                       original_max_position_embeddings=96, rope_scaling={
+                                           "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
+                                           "long_factor": [9.0] * 6})),
 }
 
 

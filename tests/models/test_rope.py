@@ -85,3 +85,34 @@ def test_llama3_exercises_every_band():
     got, _ = rope_inv_freq(config)
     ratio = plain / got
     assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
+
+
+PHI3_CASES = {
+    "partial": dict(partial_rotary_factor=0.75),
+    "longrope": dict(original_max_position_embeddings=512, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(64)],
+        "long_factor": [2.0 + i for i in range(64)]}),
+    "longrope-partial-theta": dict(
+        partial_rotary_factor=0.5, rope_theta=250000.0, original_max_position_embeddings=512,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.5 - i / 64 for i in range(32)],
+                      "long_factor": [3.0] * 32}),
+    "longrope-given-factors": dict(original_max_position_embeddings=512, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.2] * 64, "long_factor": [1.2] * 64, "factor": 8.0,
+        "attention_factor": 1.3}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PHI3_CASES))
+def test_phi3_matches_transformers(case):
+    """Phi-3's rotation (transformers' Phi3RotaryEmbedding): the first ``rotary_dim`` dimensions'
+    frequencies, LongRoPE's short factors and its attention factor, within the original length."""
+    hf_config = transformers.Phi3Config(**{**BASE, "pad_token_id": 0}, **PHI3_CASES[case])
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf_config)
+    got, scale = rope_inv_freq(config)
+    assert got.shape == (config.rotary_dim // 2,) and config.rotary_dim == int(128 * hf_config.rope_parameters.get(
+        "partial_rotary_factor", 1.0))
+    torch.testing.assert_close(got, rotary.inv_freq.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    if "longrope" in case:
+        assert scale != 1.0
