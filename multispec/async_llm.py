@@ -51,19 +51,21 @@ class AsyncLLM:
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, spec: SpecConfig | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA, *,
-                       grammar_after: int | None = None) -> AsyncIterator[RequestOutput]:
+                       grammar_after: int | None = None, grammar_open: bool | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (by default only what is new each time, see
         ``RequestOutputKind``); the last has ``finished`` set. The request is checked before it is
         queued (a ValueError here, as from ``LLM.generate``). Leaving the loop early, or
-        cancelling the task that reads, aborts the request. ``grammar_after``: see
-        ``LLMEngine.make_request``."""
+        cancelling the task that reads, aborts the request. ``grammar_after``, ``grammar_open``:
+        see ``LLMEngine.make_request``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, prompt
-        async for out in self._stream(text, ids, sampling_params, request_id, spec, output_kind, grammar_after):
+        async for out in self._stream(text, ids, sampling_params, request_id, spec, output_kind, grammar_after,
+                                      grammar_open):
             yield out
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
@@ -82,12 +84,14 @@ class AsyncLLM:
                                       request_id, spec, output_kind):
             yield out
 
-    async def _stream(self, text, ids, sampling_params, request_id, spec, output_kind, grammar_after=None):
+    async def _stream(self, text, ids, sampling_params, request_id, spec, output_kind, grammar_after=None,
+                      grammar_open=None):
         if self.error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.error}")
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         request = self.engine.make_request(request_id, ids, sampling_params or SamplingParams(), spec, prompt=text,
-                                           output_kind=output_kind, grammar_after=grammar_after)
+                                           output_kind=output_kind, grammar_after=grammar_after,
+                                           grammar_open=grammar_open)
         outputs: asyncio.Queue = asyncio.Queue()
         self._command(("add", request, asyncio.get_running_loop(), outputs))
         finished = False

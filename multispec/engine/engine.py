@@ -144,13 +144,14 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      spec: SpecConfig | None = None, *, prompt: str | None = None,
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, name: str | None = None,
-                     grammar_after: int | None = None) -> Request:
+                     grammar_after: int | None = None, grammar_open: bool | None = None) -> Request:
         """A request checked against the model and the cache, not yet queued (``enqueue``); the
         check is the whole of ``add_request``'s, so a caller can check several before queuing any.
         ``name``: how error messages call its prompt (default: "the prompt of request <id>").
         ``grammar_after``: a token after which ``structured_outputs`` starts to rule each sample
-        (a reasoning model's end of thinking; already past where the prompt holds it), as vLLM
-        starts it under a reasoning parser; None: from the first token.
+        (a reasoning model's end of thinking), as vLLM starts it under a reasoning parser; None:
+        from the first token. ``grammar_open``: whether the prompt has already passed that token
+        (the thinking ended in it); None: wherever the prompt holds the token, as vLLM decides.
 
         ``max_tokens`` past the context window is clipped to it, as vLLM's offline ``LLM`` does:
         such samples end with finish_reason "length"."""
@@ -210,7 +211,8 @@ class LLMEngine:
                 if isinstance(grammar_after, bool) or not isinstance(grammar_after, Integral) or \
                         not 0 <= grammar_after < self.vocab_size:
                     raise ValueError(f"grammar_after={grammar_after!r}: must be a token id below {self.vocab_size}")
-                request.grammar = AfterToken(request.grammar, int(grammar_after), grammar_after in ids)
+                opened = grammar_after in ids if grammar_open is None else bool(grammar_open)
+                request.grammar = AfterToken(request.grammar, int(grammar_after), opened)
         self.scheduler.check_fits(request)
         return request
 

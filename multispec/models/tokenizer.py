@@ -182,6 +182,26 @@ class Tokenizer:
             text = _cut_after_final_message(text, messages[-1].get("content"))
         return text
 
+    def generation_turn(self, messages: list[dict] | str, add_generation_prompt: bool = True, **options) -> str:
+        """The end of ``apply_chat_template``'s text that belongs to the turn the answer is
+        written into: what the generation prompt adds (an assistant header, an opening
+        ``<think>`` some templates write), or with ``continue_final_message`` the final message as
+        rendered. Found as what the prompt adds to the conversation without that turn, rendered
+        alike; where the template renders the earlier turns otherwise once that turn is there (or
+        with neither option), the whole prompt."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **options)
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if options.get("continue_final_message"):
+            if len(messages) < 2:
+                return text
+            base = self.apply_chat_template(messages[:-1], True, **{**options, "continue_final_message": False})
+        elif add_generation_prompt:
+            base = self.apply_chat_template(messages, False, **options)
+        else:
+            return text
+        return text[len(base):] if text.startswith(base) else text
+
     @cached_property
     def _template(self) -> jinja2.Template | None:
         return None if self.chat_template is None else _compile_template(self.chat_template)

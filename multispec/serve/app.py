@@ -27,7 +27,7 @@ from multispec.serve.formats import ChatFormat, CompletionFormat
 from multispec.serve.generation import Generation, Run, Traffic
 from multispec.serve.guard import Guard
 from multispec.serve.metrics import Metrics
-from multispec.serve.sampling import (Limits, chat_echo, chat_inputs, chat_prompt, completion_inputs,
+from multispec.serve.sampling import (Limits, chat_echo, chat_inputs, chat_prompt, completion_inputs, generation_turn,
                                       structured_outputs, tool_mode)
 from multispec.serve.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -156,6 +156,11 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 _, name = structured_outputs(body)  # (only to name the field)
                 raise invalid(name, f"{name}: with --reasoning-parser the constraint starts after {end!r}, which is "
                                     f"no single token of this model's vocabulary")
+            # Ended in the prompt only where the answer's own turn closes the thinking (a template
+            # that closes an empty block, a continued message holding the tag): an earlier turn's
+            # thinking kept in the prompt (a tool loop's) leaves this answer's still to come.
+            turn = generation_turn(body, engine.tokenizer, config.chat_template)
+            inputs.grammar_open = turn.rfind(end) > turn.rfind(parser.start)
         if tools is not None and tools.kind == "auto":  # as vLLM: the call tags may be special tokens
             inputs.params = replace(inputs.params, skip_special_tokens=False)
         fmt = ChatFormat(engine.tokenizer, inputs.params.logprobs, bool(body.return_tokens_as_token_ids),

@@ -61,7 +61,8 @@ class Generation:
         started = False
         try:
             async for out in self.async_llm.generate(ids, self.inputs.params, f"{self.request_id}-{index}",
-                                                     self.inputs.spec, grammar_after=self.inputs.grammar_after):
+                                                     self.inputs.spec, grammar_after=self.inputs.grammar_after,
+                                                     grammar_open=self.inputs.grammar_open):
                 if not started:
                     started = True
                     self.traffic.waiting -= 1

@@ -53,6 +53,8 @@ class EngineInputs:
     grammar_after: int | None = None
     """The token after which ``params.structured_outputs`` rules (a reasoning model's end of
     thinking, under ``--reasoning-parser``); None: from the first token."""
+    grammar_open: bool | None = None
+    """Whether the prompt has already passed ``grammar_after`` (see ``LLMEngine.make_request``)."""
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
@@ -92,6 +94,19 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
     """The conversation rendered with the request's chat template, else the server's
     (``--chat-template``), else the checkpoint's (text parts of a message are joined by newlines,
     as vLLM does), as token ids."""
+    return tokenizer.encode(_render(request, tokenizer.apply_chat_template, chat_template),
+                            add_special_tokens=add_special_tokens)
+
+
+def generation_turn(request: ChatCompletionRequest, tokenizer, chat_template: str | None = None) -> str:
+    """The end of the chat prompt's text that belongs to the turn the answer is written into
+    (``Tokenizer.generation_turn``)."""
+    return _render(request, tokenizer.generation_turn, chat_template)
+
+
+def _render(request: ChatCompletionRequest | TokenizeRequest, render, chat_template: str | None) -> str:
+    """``render(conversation, **options)`` for the request's messages and template options, a
+    bad one answered with 400 naming its field."""
     if not request.messages:
         raise invalid("messages", "messages is empty: give at least one message")
     conversation = []
@@ -109,12 +124,11 @@ def chat_prompt(request: ChatCompletionRequest | TokenizeRequest, tokenizer, cha
                       if str(error).startswith(name)), "continue_final_message")
         raise invalid(field, str(error)) from None
     try:
-        text = tokenizer.apply_chat_template(conversation, **options)
+        return render(conversation, **options)
     except ValueError as error:
         field = next((name for name in ("chat_template_kwargs", "continue_final_message")
                       if str(error).startswith(name)), "chat_template" if request.chat_template else "messages")
         raise invalid(field, str(error)) from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def completion_inputs(request: CompletionRequest, engine, default_spec: SpecConfig, limits: Limits,

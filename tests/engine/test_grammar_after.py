@@ -24,9 +24,10 @@ def gate(llm) -> int:
     return token
 
 
-def drive(llm, prompt_ids, params, spec, grammar_after):
+def drive(llm, prompt_ids, params, spec, grammar_after, grammar_open=None):
     engine = llm.engine
-    engine.enqueue(engine.make_request("gated", prompt_ids, params, spec, grammar_after=grammar_after))
+    engine.enqueue(engine.make_request("gated", prompt_ids, params, spec, grammar_after=grammar_after,
+                                       grammar_open=grammar_open))
     last = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -82,6 +83,16 @@ def test_a_prompt_holding_the_token_opens_the_grammar_at_once(llm):
     out = drive(llm, prompt, SamplingParams(n=2, temperature=0.7, seed=5, max_tokens=12,
                                             structured_outputs={"regex": REGEX}), SpecConfig(), gate(llm))
     assert all(re.fullmatch(REGEX, c.text) for c in out.outputs)
+    # The caller may know better (the token in an earlier turn of a chat, not in this answer's):
+    # closed, the samples are the free ones up to the gate.
+    law = dict(n=4, temperature=0.7, seed=5, max_tokens=12)
+    free = drive(llm, prompt, SamplingParams(**law), SpecConfig(), None).outputs
+    closed = drive(llm, prompt, SamplingParams(structured_outputs={"regex": REGEX}, **law), SpecConfig(), gate(llm),
+                   grammar_open=False).outputs
+    for f, c in zip(free, closed):
+        cut = f.token_ids.index(gate(llm)) + 1 if gate(llm) in f.token_ids else len(f.token_ids)
+        assert c.token_ids[:cut] == f.token_ids[:cut]
+    assert not all(re.fullmatch(REGEX, c.text) for c in closed)
     with pytest.raises(ValueError, match="grammar_after"):
         llm.engine.make_request("bad", prompt, SamplingParams(structured_outputs={"regex": REGEX}),
                                 grammar_after=10**9)

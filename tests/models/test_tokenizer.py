@@ -210,3 +210,34 @@ def test_errors(tmp_path):
     config_file.write_text(json.dumps({"chat_template": "{% if %}"}))
     with pytest.raises(ValueError, match="does not parse"):
         Tokenizer.from_dir(tmp_path).apply_chat_template("hi")
+
+
+# Qwen3's way with thinking, cut down: an assistant turn after the last user message keeps its
+# thinking (a tool loop's), the generation prompt opens the turn, and with thinking off closes an
+# empty thinking block in it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}")
+
+
+def test_generation_turn_is_the_text_of_the_answers_own_turn(tmp_path):
+    """What decides whether a prompt already ended the thinking (the server's reasoning parsers):
+    the generation prompt's text, or the continued final message; never an earlier turn."""
+    write_tiny_tokenizer(tmp_path)
+    ours = Tokenizer.from_dir(tmp_path)
+    loop = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "<think>call it</think>[call]"},
+            {"role": "tool", "content": "sunny"}]
+    options = dict(chat_template=THINKING_TEMPLATE)
+    assert ours.generation_turn(loop, **options) == "<|assistant|>"
+    assert ours.generation_turn(loop, template_kwargs={"enable_thinking": False}, **options) == \
+        "<|assistant|><think></think>"
+    prefilled = loop + [{"role": "assistant", "content": "<think>sunny, so</think>It is"}]
+    assert ours.generation_turn(prefilled, False, continue_final_message=True, **options) == \
+        "<think>sunny, so</think>It is"
+    # Without either option the new text follows the whole prompt, which is what is returned.
+    assert ours.generation_turn(loop, False, **options) == ours.apply_chat_template(loop, False, **options)
+    # A template that renders the earlier turns otherwise once the turn is there: the whole prompt.
+    odd = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}!{% else %}?{% endif %}"
+    assert ours.generation_turn(loop, chat_template=odd) == ours.apply_chat_template(loop, chat_template=odd)

@@ -75,6 +75,33 @@ def test_a_constraint_rules_from_the_end_of_the_thinking(successor_dir, tiny, mo
         assert re.fullmatch(r'\s*\{\s*("a"\s*(:\s*("x"\s*(\}\s*)?)?)?)?', arguments), arguments
 
 
+def test_an_earlier_turns_thinking_leaves_the_constraint_closed(successor_dir, tiny, monkeypatch):
+    """A tool loop keeps the thinking of the assistant turn before it: the end-of-thinking token in
+    that turn does not open the constraint for the new answer (it would open at once, and the
+    thinking be the constraint's text); the thinking is the free answer up to its own end token."""
+    free = tiny.chat(CHAT, SamplingParams(n=1, temperature=1.0, seed=4, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    end = free.token_ids[2]
+    end_text = tiny.tokenizer.decode([end])
+    monkeypatch.setattr(DeepSeekR1Reasoning, "end", end_text)
+    loop = CHAT + [{"role": "assistant", "content": f"a{end_text}b"}, {"role": "user", "content": "and then"}]
+    law = dict(n=3, temperature=1.0, seed=6, max_tokens=16)
+    answers = tiny.chat(loop, SamplingParams(**law), use_tqdm=False)[0].outputs
+    with ThreadServer(successor_dir, reasoning_parser="deepseek_r1") as server:
+        tokenizer = server.engine.tokenizer
+        real = tokenizer.token_to_id
+        monkeypatch.setattr(tokenizer, "token_to_id", lambda text: end if text == end_text else real(text))
+        assert end in tokenizer.encode(tokenizer.apply_chat_template(loop), add_special_tokens=False)
+        out = server.client().chat.completions.create(model="tiny", messages=loop, **law,
+                                                      extra_body={"structured_outputs": {"choice": [" lazy dog"]}})
+    for answer, choice in zip(answers, out.choices):
+        # The free answer up to its own end token, then the constraint; split as the parser splits.
+        ids = answer.token_ids
+        text = tiny.tokenizer.decode(ids[:ids.index(end) + 1]) + " lazy dog" if end in ids else answer.text
+        message = choice.message
+        assert (message.model_extra["reasoning"], message.content) == DeepSeekR1Reasoning().split(text)
+    assert any(end not in a.token_ids for a in answers)  # (answers the constraint never reached)
+
+
 def test_qwen3_with_thinking_off_answers_in_content(successor_dir, tiny):
     """``--reasoning-parser qwen3``: a request that thinks splits as deepseek_r1 does (the tiny
     model never ends its thinking: all reasoning, and a constraint is refused for want of a
