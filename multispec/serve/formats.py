@@ -260,8 +260,9 @@ class ChatFormat:
             content, calls = parser.parse(text)
             if not calls:
                 return AssistantMessage(content=whole, reasoning=reasoning)
-            return AssistantMessage(content=content, tool_calls=[_tool_call(*call, parser.new_id()) for call in calls],
-                                    reasoning=reasoning)
+            # A call may carry the id its model wrote (Mistral's [CALL_ID]); the others get the parser's kind.
+            tool_calls = [_tool_call(name, arguments, *given or [parser.new_id()]) for name, arguments, *given in calls]
+            return AssistantMessage(content=content, tool_calls=tool_calls, reasoning=reasoning)
         if mode.kind == "named":
             return AssistantMessage(content="", tool_calls=[_tool_call(mode.name, text)], reasoning=reasoning)
         try:

@@ -116,8 +116,8 @@ class _CallStream:
         self.pending: list[DeltaToolCall] = []
         self.sent = 0
 
-    def _send(self, name: str, arguments: str) -> None:
-        self.pending.append(DeltaToolCall(index=self.sent, id=self.parser.new_id(), type="function",
+    def _send(self, name: str, arguments: str, given_id: str | None = None) -> None:
+        self.pending.append(DeltaToolCall(index=self.sent, id=given_id or self.parser.new_id(), type="function",
                                           function=DeltaFunctionCall(name=name, arguments=arguments)))
         self.sent += 1
 
@@ -281,38 +281,44 @@ def _json_text(arguments) -> str:
 class MistralParser:
     """Mistral's format: the content, then ``[TOOL_CALLS]`` and the calls, either a JSON list of
     ``{"name", "arguments"}`` (Mistral 7B v0.3 and the tokenizers before v11) or, from v11 on,
-    ``name[ARGS]{arguments}`` after each ``[TOOL_CALLS]``. As vLLM's ``mistral`` parser reads them:
-    calls that do not parse leave the whole answer as content. Call ids are nine letters and
-    digits, as Mistral's templates require of the calls sent back."""
+    ``name[ARGS]{arguments}`` after each ``[TOOL_CALLS]`` (v13 on: ``name[CALL_ID]id[ARGS]{...}``,
+    the call's id written by the model, which the call then keeps). As vLLM's ``mistral`` parser
+    reads them: calls that do not parse leave the whole answer as content. Call ids are nine
+    letters and digits, as Mistral's templates require of the calls sent back (an id the model
+    writes otherwise is replaced by one)."""
 
-    tag, args_tag = "[TOOL_CALLS]", "[ARGS]"
+    tag, args_tag, id_tag = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     _decoder = json.JSONDecoder()
     new_id = staticmethod(mistral_call_id)
 
     def stream(self) -> MistralStream:
         return MistralStream(self)
 
-    def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
-        """(content before the calls or None, [(name, arguments as JSON text)]); no calls: (text, [])."""
+    def parse(self, text: str) -> tuple[str | None, list[tuple]]:
+        """(content before the calls or None, [(name, arguments as JSON text[, id the model wrote])]);
+        no calls: (text, [])."""
         before, opened, after = text.partition(self.tag)
         calls = self.calls(after) if opened else None
         if not calls:
             return text, []
         return before or None, calls
 
-    def calls(self, text: str) -> list[tuple[str, str]] | None:
+    def calls(self, text: str) -> list[tuple] | None:
         """The calls written after the first ``[TOOL_CALLS]``, or None where they do not parse."""
         if self.args_tag in text:
             calls = []
             for body in text.split(self.tag):
-                name, opened, arguments = body.partition(self.args_tag)
+                head, opened, arguments = body.partition(self.args_tag)
+                name, _, given_id = head.partition(self.id_tag)
                 try:
                     parsed = self._decoder.raw_decode(arguments.strip())[0] if opened and name.strip() else None
                 except ValueError:
                     return None
                 if not isinstance(parsed, dict):
                     return None
-                calls.append((name.strip(), _json_text(parsed)))
+                given_id = given_id.strip()
+                valid = len(given_id) == 9 and given_id.isascii() and given_id.isalnum()
+                calls.append((name.strip(), _json_text(parsed), *([given_id] if valid else [])))
             return calls
         try:
             listed = self._decoder.raw_decode(text.replace(self.tag, "").strip())[0]

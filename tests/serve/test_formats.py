@@ -84,7 +84,7 @@ def read_whole_and_streamed(parser, text: str, content: str | None, calls: list)
     """Asserts that ``parser`` reads ``text`` into ``content`` and ``calls`` ([(name, arguments)]),
     whole and streamed in pieces of 1 to all characters; returns the streamed calls' pieces."""
     got_content, got_calls = parser.parse(text)
-    assert got_content == content and [(n, json.loads(a)) for n, a in got_calls] == calls
+    assert got_content == content and [(c[0], json.loads(c[1])) for c in got_calls] == calls
     every = []
     for size in (1, 2, 5, 11, len(text)):
         streamed_content, pieces = streamed_auto(text, size, parser)
@@ -191,6 +191,20 @@ def test_mistral_calls_read_whole_and_streamed(text, content, calls):
     assert "".join(d.delta.content or "" for d in deltas) == (message.content or "")
     assert [t.function.name for d in deltas for t in d.delta.tool_calls or []] == [n for n, _ in calls]
     assert deltas[-1].finish_reason == ("tool_calls" if calls else "stop")
+
+
+def test_mistral_calls_keep_the_ids_the_model_writes():
+    """v13 on, the model writes each call's id after [CALL_ID]: the call keeps it, whole and
+    streamed (it is the id the model expects with the result); an id Mistral's templates would
+    refuse (not nine letters and digits) is replaced by one they take."""
+    text = "[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]sum[CALL_ID]bad id[ARGS]{}"
+    calls = [("get_weather", {"city": "Paris"}), ("sum", {})]
+    pieces = read_whole_and_streamed(MistralParser(), text, None, calls)
+    assert {p.id for p in pieces[::2]} == {"a1B2c3D4e"} and all(p.id.isalnum() and len(p.id) == 9 for p in pieces)
+    assert len({p.id for p in pieces[1::2]}) == len(pieces) // 2  # fresh ones, each its own
+    message = ChatFormat(None, None, tool_mode=ToolMode("auto", parser="mistral"))._message(text)
+    assert [c.function.name for c in message.tool_calls] == ["get_weather", "sum"] and message.content is None
+    assert message.tool_calls[0].id == "a1B2c3D4e" and message.tool_calls[1].id not in ("bad id", "a1B2c3D4e")
 
 
 THINKING = ["<think>\nLet me add: 2 + 2 = 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4, so\n</think>The answer is 4.",
