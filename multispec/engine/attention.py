@@ -10,6 +10,7 @@ gather of the cache per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -54,6 +55,18 @@ class PrefillAttention:
                 kk = keys[:, :start + length].to(q.dtype)
                 vv = values[:, :start + length].to(q.dtype)
             rows = q[begin:end].transpose(0, 1)
+            cap = self.cache.config.attn_logit_softcapping
+            if cap is not None:  # no fused kernel caps its scores: this prompt's rows, unfused
+                visible = mask if mask is not None else torch.ones(
+                    length, start + length, dtype=torch.bool, device=rows.device).tril(start)
+                group = rows.shape[0] // kk.shape[0]
+                out, _ = _reference_kernel(rows, kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0),
+                                           torch.zeros(visible.shape, dtype=torch.float32,
+                                                       device=rows.device).masked_fill_(~visible, float("-inf")),
+                                           softcap=cap)
+                outputs.append(out.transpose(0, 1))
+                begin = end
+                continue
             if start and mask is None:
                 rows = torch.cat([rows.new_zeros(rows.shape[0], start, rows.shape[2]), rows], 1)
             # With a batch dimension the CPU runs its fused (flash) kernel; without one, the
@@ -136,7 +149,9 @@ class DecodeAttention:
         offsets = torch.cumsum(counts, 0) - counts
         device = cache.sample_k.device
         in_place = layout.slots is None
-        self.op = compiled_kernel(device) if compiled and layout.scratch is None else None
+        # The compiled kernel does not cap scores (Gemma 2's soft cap): the portable path does.
+        capped = cache.config.attn_logit_softcapping is not None
+        self.op = compiled_kernel(device) if compiled and layout.scratch is None and not capped else None
         self.parts: list[_Part] = []
         if self.op is not None:
             slots = torch.arange(batch) if in_place else layout.slots
@@ -231,7 +246,10 @@ class _Part:
         # head within its kv group, then draft row); none where every key is visible.
         self.own_mask = None
         device = cache.sample_k.device
-        self.concat = concat_keys(device)  # one attention call over prompt and own keys (below)
+        cap = cache.config.attn_logit_softcapping
+        # One attention call over prompt and own keys (below); not with capped scores, which only the
+        # reference kernel computes.
+        self.concat = concat_keys(device) and cap is None
         group = cache.config.num_attention_heads // cache.config.num_key_value_heads
         seen_all = bool(visible.all())
         if not seen_all or self.concat:
@@ -287,7 +305,7 @@ class _Part:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
-        self.kernel = kernel_for(device)
+        self.kernel = kernel_for(device) if cap is None else partial(_reference_kernel, softcap=cap)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention output of this part's real rows, in the order of ``rows``."""
@@ -383,11 +401,14 @@ def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=q.shape[-1] ** -0.5)
 
 
-def _reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+def _reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      softcap: float | None = None):
     """The same from batched matrix products and a float32 softmax (devices without the fused
-    kernel, and the tests)."""
+    kernel, the tests, and scores soft-capped as Gemma 2's: ``softcap * tanh(score / softcap)``)."""
     scores = torch.matmul(q, k.transpose(-1, -2))
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         scores.add_(mask)
     top = scores.amax(-1, keepdim=True)

@@ -42,6 +42,28 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
     },
+    "GemmaForCausalLM": {
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "Gemma2ForCausalLM": {
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
     "Phi3ForCausalLM": {
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096,  # what LongRoPE's short factors were trained for
@@ -52,12 +74,14 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                              "gemma2": "Gemma2ForCausalLM"}
+_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Scaled RoPE types that are defined relative to the pre-training context length.
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu",)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,13 @@ class ModelConfig:
     which is the same thing for sequences of at most that length, so ``context_window`` stops
     there. ``partial_rotary_factor``: the share of each head's dimensions that is rotated (the
     first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
+
+    Gemma: ``hidden_act`` (the MLP's gate activation: Gemma's tanh-approximated GELU), ``gemma_norms``
+    (each RMS norm scales by 1 + its weight, in float32, and the embeddings by sqrt(hidden_size)),
+    ``sandwich_norms`` (Gemma 2: each block's output normalised too, before the residual add, and
+    the MLP's input by its own norm), ``query_pre_attn_scalar`` (attention scores scaled by its
+    inverse square root, not the head width's), ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (scores and logits passed through ``cap * tanh(x / cap)``).
     """
 
     architecture: str
@@ -97,6 +128,18 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     partial_rotary_factor: float = 1.0
+    hidden_act: str = "silu"
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def compiled_stack(self) -> bool:
+        """Whether the compiled decode layer stack computes this network (SiLU MLPs and plain norms;
+        the layer-by-layer path computes the rest)."""
+        return self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms)
 
     @property
     def rotary_dim(self) -> int:
@@ -137,7 +180,9 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         kv_heads = d.get("num_key_value_heads", defaults["num_key_value_heads"])
         max_positions = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
-        activation = d.get("hidden_act") or "silu"
+        # Gemma 2 names it hidden_activation; Gemma's hidden_act, where its config leaves it out.
+        activation = d.get("hidden_activation") if architecture == "Gemma2ForCausalLM" else d.get("hidden_act")
+        activation = activation or defaults.get("hidden_act", "silu")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {activation!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         rope_theta, rope_scaling = _rope(d, max_positions, architecture)
@@ -162,7 +207,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or (architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(d.get("attention_bias", False))),
             mlp_bias=architecture == "LlamaForCausalLM" and bool(d.get("mlp_bias", False)),
@@ -171,6 +216,10 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(d, architecture),
             partial_rotary_factor=partial,
+            hidden_act=activation,
+            gemma_norms=architecture in _GEMMA,
+            sandwich_norms=architecture == "Gemma2ForCausalLM",
+            **_gemma2_scalars(d, architecture),
         )
 
 
@@ -185,6 +234,20 @@ def _architecture(d: dict) -> str:
     return architecture
 
 
+def _gemma2_scalars(d: dict, architecture: str) -> dict:
+    """Gemma 2's attention scale and soft caps, with its defaults where config.json leaves them out
+    (a cap given as null is none)."""
+    if architecture != "Gemma2ForCausalLM":
+        return {}
+    defaults = _ARCH_DEFAULTS[architecture]
+    out = {key: d[key] if key in d else defaults[key]
+           for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")}
+    for key, value in out.items():
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{key}={value!r}: must be a positive number or null")
+    return {key: float(value) if value is not None else None for key, value in out.items()}
+
+
 def _sliding_window(d: dict, architecture: str) -> int | None:
     """The window of the layers that attend through one, as transformers reads it: Mistral's
     ``sliding_window`` (4096 where the key is absent, none where it is null); for Qwen2 and Qwen3
@@ -195,6 +258,10 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
         window = d.get("sliding_window", 4096)
     elif architecture == "Phi3ForCausalLM":
         window = d.get("sliding_window")
+    elif architecture == "Gemma2ForCausalLM":  # every other layer, unless layer_types says none
+        layer_types = d.get("layer_types")
+        sliding = layer_types is None or "sliding_attention" in layer_types
+        window = d.get("sliding_window", 4096) if sliding else None
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         layer_types = d.get("layer_types")
         if layer_types is not None:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3) in plain PyTorch, over packed tokens.
+"""The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma) in plain PyTorch, over packed tokens.
 
 The network never sees a batch dimension: every call runs ``T`` new tokens of any number of
 sequences concatenated, so each matrix multiply sees exactly the tokens that exist. How the
@@ -135,10 +135,14 @@ class Projection:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """Llama's RMS norm: the normalised row rounded to x's dtype, then times the weight; ``gemma``:
+    Gemma's, times 1 + the weight in float32, then rounded."""
+
+    def __init__(self, size: int, eps: float, gemma: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -146,6 +150,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def library_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +159,10 @@ class RMSNorm(nn.Module):
         call instead of five element-wise operations, for devices where a step is bound by
         dispatching its operations (a GPU). On the CPU the element-wise form stays: its prefill
         and portable decode paths are what the compiled kernels are checked against."""
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -212,9 +221,14 @@ class SelfAttention(nn.Module):
         return self.o(out) if self.fused else self.o_proj(out)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+"""The MLP gate's activation for each ``hidden_act`` a config may name."""
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.act = ACTIVATIONS[config.hidden_act]
         bias = config.mlp_bias
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
@@ -229,9 +243,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 def _fuse(owner: nn.Module, *linears: nn.Linear, pack: bool) -> Projection:
@@ -271,14 +285,27 @@ def _unpacked_state(module: nn.Module, state: dict, prefix: str, _metadata) -> N
 
 
 class DecoderLayer(nn.Module):
+    """Llama's block: x + attention(norm(x)), then + mlp(norm(x)), the second norm named
+    ``post_attention_layernorm``; with ``sandwich_norms`` (Gemma 2) that norm is applied to the
+    attention's output, the MLP's input has ``pre_feedforward_layernorm`` and its output
+    ``post_feedforward_layernorm``."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = SelfAttention(config, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, attention: Attention):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -288,7 +315,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.embed_scale = config.hidden_size ** 0.5 if config.gemma_norms else None
+        """Gemma's embeddings are scaled by sqrt(hidden_size), rounded to their dtype as Gemma's are."""
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(token_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
 
 
 def _stream_layout(weight: torch.Tensor) -> torch.Tensor | None:
@@ -346,6 +381,12 @@ def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
             out.update({f"{base}gate_proj.{kind}": gate, f"{base}up_proj.{kind}": up})
         else:
             out[name] = tensor
+    if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
+        # Gemma 2 scales scores by query_pre_attn_scalar ** -0.5, the attention by head_dim ** -0.5:
+        # q (linear in the weights, and the rotation linear in q) carries the difference.
+        factor = (config.head_dim / config.query_pre_attn_scalar) ** 0.5
+        out = {name: (tensor.float() * factor).to(tensor.dtype) if ".self_attn.q_proj." in name else tensor
+               for name, tensor in out.items()}
     order = rotary_order(config.head_dim, config.rotary_dim)
     if order is None:
         return out
@@ -403,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
         cos, sin = cos_table[positions], sin_table[positions]
-        x = self.model.embed_tokens(token_ids)
+        x = self.model.embed(token_ids)
         stack = self._compiled_stack(attention, x.shape[0])
         if stack is not None:
             op, weights, args = stack
@@ -419,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
         the forward's token count, picks the products' weights: integer blocks up to
         ``affine_rows()`` where every product has them, else the streaming layout (also for None)."""
         args_of = getattr(attention, "kernel_args", None)
-        args = args_of() if args_of is not None and self.compiled_layers else None
+        args = args_of() if args_of is not None and self.compiled_layers and self.config.compiled_stack else None
         if args is None or not self.model.layers[0].self_attn.fused:
             return None
         op = kernels.decode_layers()
@@ -454,6 +495,9 @@ class LlamaForCausalLM(nn.Module):
         """The output head's logits, in float32 (``float32=False``: in the model's dtype, for a
         consumer that converts as it reads, such as the compiled softmax of the decode step)."""
         out = self.head(hidden) if self.head is not None else F.linear(hidden, self.output_weight())
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32 whatever is asked
+            return torch.tanh(out.float() / cap) * cap
         return out.float() if float32 else out
 
     def fuse(self, pack: bool) -> None:

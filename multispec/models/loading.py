@@ -203,6 +203,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         config_dict["head_dim"] = head_dim
     if model_type == "phi3":
         config_dict.update(_gguf_phi3_rope_and_window(reader, config_dict))
+    if model_type == "gemma2":
+        config_dict.update(_gguf_gemma2_scalars(fields, config_dict))
     config = AutoConfig.for_model(**config_dict)
     config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
 
@@ -266,6 +268,21 @@ def _gguf_phi3_rope_and_window(reader, config: dict) -> dict:
                                "rope_theta": config.get("rope_theta", 10000.0)}
         if value("rope.scaling.attn_factor") is not None:
             out["rope_scaling"]["attention_factor"] = float(value("rope.scaling.attn_factor"))
+    return out
+
+
+def _gguf_gemma2_scalars(fields: dict, config: dict) -> dict:
+    """Gemma 2's soft caps as the file gives them, and its attention scale as llama.cpp derives it
+    (the file does not hold it: hidden / heads for the 46-layer 27B model, else the head width),
+    which transformers' converter leaves at its defaults (wrong for the 27B model)."""
+    out = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        field = fields.get(f"gemma2.{key}")
+        if field is not None:
+            out[key] = float(field.contents())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    out["query_pre_attn_scalar"] = config["hidden_size"] // heads if config["num_hidden_layers"] == 46 else head_dim
     return out
 
 

@@ -69,14 +69,17 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused products
 }
+_GGUF_GEMMA2_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
 _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     stem, kind = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}.{kind}"
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NORMS} if arch == "gemma2" else _GGUF_LAYER_NAMES
+        return f"blk.{layer}.{names[rest]}.{kind}"
     return f"{_GGUF_NAMES[stem]}.{kind}"
 
 
@@ -107,6 +110,10 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     if getattr(config, "head_dim", None):  # as llama.cpp writes it, where heads are not hidden / heads wide
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "gemma2":  # llama.cpp writes the caps and the window, not query_pre_attn_scalar
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 model's rotation and window
         head_dim = config.hidden_size // config.num_attention_heads
         rope = config.rope_parameters
@@ -136,7 +143,9 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
             tensor = _interleave_rotary_halves(tensor, config.num_attention_heads)
         if arch == "llama" and ".k_proj." in name:
             tensor = _interleave_rotary_halves(tensor, config.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), tensor.float().numpy())
+        if arch == "gemma2" and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
+            tensor = tensor + 1
+        writer.add_tensor(_gguf_name(name, arch), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

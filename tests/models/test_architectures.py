@@ -1,13 +1,14 @@
 """Each architecture end to end through ``LLM``: tiny random Qwen3 (per-head q/k norms, heads
-wider than hidden / heads) and Phi-3 checkpoints (fused products, partial rotation, LongRoPE)
-generate what transformers' own model generates, with and without speculation; a Mistral
-checkpoint with a sliding window keeps its sequences within the window, where attending to the
-whole sequence is the same thing, and a Phi-3 one with LongRoPE within its original length.
+wider than hidden / heads), Phi-3 (fused products, partial rotation, LongRoPE) and Gemma 2
+checkpoints (sandwich norms, soft caps, GELU) generate what transformers' own model generates,
+with and without speculation, and their log-probabilities; a Mistral checkpoint with a sliding
+window keeps its sequences within the window, where attending to the whole sequence is the same
+thing, and so do Phi-3's LongRoPE within its original length and Gemma 2's window.
 
 Greedy decoding in float32: transformers and multispec agree to about 1e-5 on these logits
-(tests/models/test_parity.py), and no top-two gap over the tokens compared is below 4e-3 with
-the seed below, so any difference is a real one (a norm left out moves every logit).
-"""
+(tests/models/test_parity.py), and no top-two gap over the tokens compared is below 3.9e-3 with
+the seeds below (Gemma 2's capped logits have the smallest), so any difference is a real one (a
+norm left out moves every logit)."""
 
 from __future__ import annotations
 
@@ -111,12 +112,35 @@ def save_phi3(directory):
     return model
 
 
-def test_phi3_generates_what_transformers_generates(tmp_path):
-    hf = save_phi3(tmp_path)
-    with pytest.raises(ValueError, match=r"max_model_len=100.*\[2, 64\].*original_max_position_embeddings=64"):
+def save_gemma2(directory):
+    """Gemma 2's kind of checkpoint, small: caps low enough to act on these scores and logits, an
+    attention scale other than the head width, a window of 48 positions (every other layer)."""
+    config = transformers.Gemma2Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                       final_logit_softcapping=3.0, sliding_window=48, max_position_embeddings=256,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(5)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.add_(0.3 * torch.randn_like(weight))
+            if ".q_proj." in name or ".k_proj." in name:
+                weight.mul_(8)
+    model.save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2"])
+def test_generates_what_transformers_generates(tmp_path, kind):
+    hf = {"phi3": save_phi3, "gemma2": save_gemma2}[kind](tmp_path)
+    limit, why = {"phi3": (64, "original_max_position_embeddings=64"), "gemma2": (48, "sliding_window=48")}[kind]
+    with pytest.raises(ValueError, match=rf"max_model_len=100.*\[2, {limit}\].*{why}"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32")
-    assert llm.config.architecture == "Phi3ForCausalLM" and llm.config.rotary_dim == 12
+    assert llm.config.architecture == type(hf).__name__
     prompt = llm.tokenizer.encode("Hello world! The quick brown fox")
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
@@ -134,7 +158,7 @@ def test_phi3_generates_what_transformers_generates(tmp_path):
     drafted = llm.generate([{"prompt_token_ids": prompt}], params, spec=spec, use_tqdm=False)[0]
     assert [list(c.token_ids) for c in drafted.outputs] == [want, want]
     assert llm.last_stats.accepted_tokens > 0
-    # The original length bounds the sequence: 64 positions in all.
-    out = llm.generate([{"prompt_token_ids": list(range(10, 70))}], SamplingParams(max_tokens=20, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    # The limit bounds the sequence: 4 tokens after a prompt 4 short of it.
+    out = llm.generate([{"prompt_token_ids": list(range(10, 6 + limit))}],
+                       SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"

@@ -70,6 +70,13 @@ CASES = {
     "phi3-same-factors": dict(**PHI3, max_position_embeddings=8192,
                               rope_scaling={"rope_type": "longrope", "short_factor": [1.5] * 8,
                                             "long_factor": [1.5] * 8, "attention_factor": 1.2}),
+    # Gemma: its defaults (GELU, 1 + weight norms, tied); Gemma 2's caps, scale and alternating
+    # window, also with the window's layers named and the caps turned off.
+    "gemma-minimal": dict(architectures=["GemmaForCausalLM"], model_type="gemma", **SMALL),
+    "gemma2-minimal": dict(model_type="gemma2", **SMALL),
+    "gemma2-27b-like": dict(model_type="gemma2", **SMALL, head_dim=16, query_pre_attn_scalar=24,
+                            layer_types=["full_attention"], attn_logit_softcapping=None,
+                            final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
 }
 LONGROPE_LIMITS = {"phi3-su": 4096, "phi4-mini-like": 4096}
 """Where LongRoPE's two factor lists differ, the network stops at the original length: past it
@@ -106,6 +113,12 @@ def test_matches_transformers(case):
     assert ours.context_window == min(ours.max_position_embeddings, window or ours.max_position_embeddings,
                                       LONGROPE_LIMITS.get(case, ours.max_position_embeddings))
     assert ours.mlp_bias == (gate.bias is not None)
+    layer = model.model.layers[0]
+    assert ours.hidden_act == (hf.hidden_activation if hasattr(hf, "hidden_activation") else hf.hidden_act)
+    assert ours.gemma_norms == type(model.model.norm).__name__.startswith("Gemma")
+    assert ours.sandwich_norms == hasattr(layer, "pre_feedforward_layernorm")
+    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert getattr(ours, field) == getattr(hf, field, None), field
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
 
     rope = dict(hf.rope_parameters)
@@ -129,8 +142,8 @@ def test_round_trips_through_transformers_serialisation():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelConfig.from_hf_dict(dict(architectures=["GPT2LMHeadModel"], **SMALL))
-    with pytest.raises(ValueError, match="gemma"):
-        ModelConfig.from_hf_dict(dict(model_type="gemma", **SMALL))
+    with pytest.raises(ValueError, match="gemma3_text"):
+        ModelConfig.from_hf_dict(dict(model_type="gemma3_text", **SMALL))
 
 
 def test_unsupported_rope_type_is_named():
@@ -140,10 +153,12 @@ def test_unsupported_rope_type_is_named():
 
 
 def test_unsupported_activation_is_named():
-    """A checkpoint whose MLP is not SiLU-gated would run as another model."""
-    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
-        ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="gelu_pytorch_tanh"))
-    assert ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="silu")).architecture
+    """A checkpoint whose MLP gate has another activation would run as another model."""
+    with pytest.raises(ValueError, match="relu2"):
+        ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="relu2"))
+    assert ModelConfig.from_hf_dict(dict(CASES["llama-minimal"], hidden_act="gelu")).hidden_act == "gelu"
+    with pytest.raises(ValueError, match="attn_logit_softcapping=-1"):
+        ModelConfig.from_hf_dict(dict(CASES["gemma2-minimal"], attn_logit_softcapping=-1))
 
 
 @pytest.mark.parametrize("rope, partial, match", [

@@ -113,6 +113,23 @@ def test_phi3_gguf_keeps_its_rotation_and_window(tmp_path):
     assert got.context_window == 64  # LongRoPE's original length, below the window of 200
 
 
+def test_gemma2_gguf_keeps_its_caps(tmp_path):
+    """A Gemma 2 GGUF: norms stored as 1 + weight by llama.cpp come back as the checkpoint's, and
+    the soft caps the file holds (transformers' converter keeps its defaults of 50 and 30)."""
+    source = tmp_path / "source"
+    save_tiny(source, "gemma2", tie=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    gguf = tmp_path / "tiny-gemma2.gguf"
+    write_tiny_gguf(gguf, hf, source, "gemma2")
+    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    assert_tensors_match_transformers(checkpoint, hf)
+    got, want = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
+    for field in ("architecture", "head_dim", "hidden_act", "gemma_norms", "sandwich_norms", "query_pre_attn_scalar",
+                  "attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "tie_word_embeddings"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (got.attn_logit_softcapping, got.final_logit_softcapping) == (20.0, 10.0)
+
+
 def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
     """Where transformers' GGUF tokenizer names another EOS token than the file does (5.17 named
     a Llama file's BOS), the file's ``tokenizer.ggml.eos_token_id`` wins: it decides where
@@ -198,6 +215,10 @@ def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif kind == "qwen3":  # heads twice hidden / heads wide, as Qwen3's small models have them
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+    elif kind == "gemma2":  # caps of its own, a window; the attention scale is the head width, as llama.cpp takes it
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+            sliding_window=100, pad_token_id=0))
     elif kind == "phi3":  # half of each head rotated, LongRoPE and a window, as Phi-3.5 and Phi-4-mini have
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                 "short_factor": [1.0, 1.25], "long_factor": [2.0, 3.5]}

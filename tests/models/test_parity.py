@@ -1,8 +1,9 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama, Qwen2, Qwen3 and Phi-3 checkpoints (GQA, biases, tied and untied
-heads, rope scaling, Qwen3's per-head q/k norms and heads wider than hidden / heads, Phi-3's fused
-products, LongRoPE and partial rotation) and on the real
+Checked on tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma and Gemma 2 checkpoints (GQA, biases,
+tied and untied heads, rope scaling, Qwen3's per-head q/k norms and heads wider than hidden /
+heads, Phi-3's fused products, LongRoPE and partial rotation, Gemma's norms, activation and
+scaled embeddings, Gemma 2's sandwich norms, soft caps and attention scale) and on the real
 default model. Tolerance: max abs diff 1e-3 on fp32 logits; a wrong
 rope, mask or cache index moves logits by far more.
 """
@@ -34,6 +35,18 @@ def tiny(kind: str, **overrides):
             for name, weight in hf.named_parameters():
                 if name.endswith("norm.weight"):
                     weight.add_(0.3 * torch.randn_like(weight))
+    elif kind in ("gemma", "gemma2"):
+        config_class, model_class = {"gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+                                     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
+        hf = model_class(config_class(**common, pad_token_id=0)).eval()
+        # Norm weights of their own (Gemma's start at 0: 1 + weight), q and k sharpened so that
+        # the attention's scale and cap matter, as in a trained model.
+        with torch.no_grad():
+            for name, weight in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.add_(0.3 * torch.randn_like(weight))
+                if ".q_proj." in name or ".k_proj." in name:
+                    weight.mul_(8)
     elif kind == "phi3":
         hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
         # q and k larger than at initialisation, so that attention is sharp, as a trained model's is:
@@ -64,6 +77,13 @@ CASES = {
     "phi3-longrope": ("phi3", dict(original_max_position_embeddings=96, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
         "long_factor": [8.0] * 8})),
+    # Gemma: GELU, norms by 1 + weight, scaled embeddings, wide heads, tied. Gemma 2: its sandwich
+    # norms, caps at their defaults (50 and 30, which these logits never come near) and at values
+    # they reach, and an attention scale other than the head width (Gemma 2 27B's kind).
+    "gemma": ("gemma", dict(head_dim=32)),
+    "gemma2": ("gemma2", dict(head_dim=32)),
+    "gemma2-caps-scale": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                         final_logit_softcapping=2.0)),
     "phi4-mini-partial": ("phi3", dict(tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=250000.0,
                                        original_max_position_embeddings=96, rope_scaling={
                                            "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],

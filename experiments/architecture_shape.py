@@ -1,14 +1,19 @@
-"""Plain decoding of a checkpoint shaped as Qwen3-0.6B, random weights: multispec against
+"""Plain decoding of a checkpoint shaped as a real model, random weights: multispec against
 transformers' ``generate`` in one process, the two alternating.
 
-No Qwen3 checkpoint can be downloaded here, so this times the shape (28 layers, hidden 1024,
-16 query heads of 128 over 8 KV heads, a 151,936-token tied head), which is what a step costs;
-the weights are transformers' random initialisation and the tokenizer a word-level stand-in of
-the same size. Every sample runs to ``--max-tokens`` (ignore_eos; transformers' end token is
-unset), so both engines generate the same number of tokens. tokens/s = generated tokens / wall
-seconds of the call; medians of ``--runs`` calls.
+No checkpoint of these can be downloaded here, so this times the shape, which is what a step
+costs: ``--arch qwen3`` Qwen3-0.6B (28 layers, hidden 1024, 16 query heads of 128 over 8 KV heads,
+a 151,936-token tied head; its decode steps run the compiled layer stack), ``--arch gemma2``
+Gemma-2-2B (26 layers, hidden 2304, 8 query heads of 256 over 4 KV heads, a 256,000-token tied
+head, soft-capped scores and logits; its decode steps run layer by layer, the attention through
+the reference kernel, since no fused kernel caps scores). The weights are transformers' random
+initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
+``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the
+same number of tokens. tokens/s = generated tokens / wall seconds of the call; medians of
+``--runs`` calls.
 
-    .venv/bin/python experiments/qwen3_shape.py --prompts 4 --n 16 --max-tokens 128 --runs 3
+    .venv/bin/python experiments/architecture_shape.py --arch qwen3 --prompts 4 --n 16 --max-tokens 128 --runs 3
+    .venv/bin/python experiments/architecture_shape.py --arch gemma2 --prompts 2 --n 8 --max-tokens 64 --runs 3
 """
 
 from __future__ import annotations
@@ -26,24 +31,37 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from multispec import LLM, SamplingParams
 
-SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+SHAPES = {
+    "qwen3": ("Qwen3-0.6B", transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)),
+    "gemma2": ("Gemma-2-2B", transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0)),
+}
 
 
-def write_checkpoint(directory: Path) -> None:
+def write_checkpoint(directory: Path, arch: str) -> int:
+    """The checkpoint and its stand-in tokenizer; returns the vocabulary's size."""
+    _, config_class, model_class, shape = SHAPES[arch]
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE)).to(torch.bfloat16)
+    model = model_class(config_class(**shape)).to(torch.bfloat16)
     model.save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(SHAPE["vocab_size"])}
+    del model
+    vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return shape["vocab_size"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=sorted(SHAPES), default="qwen3")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=100)
@@ -53,9 +71,9 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        write_checkpoint(directory)
+        vocab_size = write_checkpoint(directory, args.arch)
         gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, SHAPE["vocab_size"], (args.prompt_tokens,), generator=gen).tolist()
+        prompts = [torch.randint(0, vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                    for _ in range(args.prompts)]
         llm = LLM(str(directory), dtype="bfloat16", enable_prefix_caching=False)
         hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
@@ -81,7 +99,7 @@ def main() -> None:
                 start = time.perf_counter()
                 tokens = run()
                 rates[name].append(tokens / (time.perf_counter() - start))
-        print(f"Qwen3-0.6B shape, random weights, bf16, {args.prompts} x {args.n} samples, "
+        print(f"{SHAPES[args.arch][0]} shape, random weights, bf16, {args.prompts} x {args.n} samples, "
               f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens each, {torch.get_num_threads()} threads")
         for name, values in rates.items():
             print(f"  {name:13s} {statistics.median(values):7.1f} tok/s  ({', '.join(f'{v:.1f}' for v in values)})")
