@@ -42,6 +42,15 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
     },
+    "SmolLM3ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "tie_word_embeddings": True,
+        "rope_theta": 2000000.0,
+        "no_rope_layer_interval": 4,
+    },
     "GemmaForCausalLM": {
         "max_position_embeddings": 8192,
         "num_key_value_heads": 16,
@@ -75,8 +84,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                              "gemma2": "Gemma2ForCausalLM"}
+                              "gemma2": "Gemma2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", *_GEMMA)
+"""Architectures whose ``attention_bias`` puts a bias on q, k, v and o (Qwen2's is always on, without o's)."""
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Scaled RoPE types that are defined relative to the pre-training context length.
@@ -99,6 +110,9 @@ class ModelConfig:
     which is the same thing for sequences of at most that length, so ``context_window`` stops
     there. ``partial_rotary_factor``: the share of each head's dimensions that is rotated (the
     first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
+
+    ``rope_layers``: per layer, whether it rotates q and k (SmolLM3 leaves every fourth layer
+    unrotated, "NoPE"); empty where every layer does.
 
     Gemma: ``hidden_act`` (the MLP's gate activation: Gemma's tanh-approximated GELU), ``gemma_norms``
     (each RMS norm scales by 1 + its weight, in float32, and the embeddings by sqrt(hidden_size)),
@@ -134,12 +148,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    rope_layers: tuple[bool, ...] = ()
 
     @property
     def compiled_stack(self) -> bool:
-        """Whether the compiled decode layer stack computes this network (SiLU MLPs and plain norms;
-        the layer-by-layer path computes the rest)."""
-        return self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms)
+        """Whether the compiled decode layer stack computes this network (SiLU MLPs, plain norms,
+        every layer rotated; the layer-by-layer path computes the rest)."""
+        return self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms) and all(self.rope_layers)
 
     @property
     def rotary_dim(self) -> int:
@@ -209,8 +224,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
             attention_bias=architecture == "Qwen2ForCausalLM"
-            or (architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(d.get("attention_bias", False))),
-            mlp_bias=architecture == "LlamaForCausalLM" and bool(d.get("mlp_bias", False)),
+            or (architecture in _BIASED and bool(d.get("attention_bias", False))),
+            mlp_bias=architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM") and bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
             qk_norm=architecture == "Qwen3ForCausalLM",
@@ -220,6 +235,7 @@ class ModelConfig:
             gemma_norms=architecture in _GEMMA,
             sandwich_norms=architecture == "Gemma2ForCausalLM",
             **_gemma2_scalars(d, architecture),
+            rope_layers=_rope_layers(d, architecture),
         )
 
 
@@ -232,6 +248,21 @@ def _architecture(d: dict) -> str:
             f"unsupported architecture {architecture!r}; supported: {', '.join(_ARCH_DEFAULTS)}"
         )
     return architecture
+
+
+def _rope_layers(d: dict, architecture: str) -> tuple[bool, ...]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer rotates, 0: it does not), or, where config.json
+    leaves it out, every ``no_rope_layer_interval``-th layer unrotated, as transformers builds it."""
+    if architecture != "SmolLM3ForCausalLM":
+        return ()
+    layers = int(d["num_hidden_layers"])
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval") or _ARCH_DEFAULTS[architecture]["no_rope_layer_interval"])
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers: must be a list of {layers} flags (1: the layer rotates, 0: it does not)")
+    return tuple(bool(f) for f in flags)
 
 
 def _gemma2_scalars(d: dict, architecture: str) -> dict:
@@ -258,6 +289,10 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
         window = d.get("sliding_window", 4096)
     elif architecture == "Phi3ForCausalLM":
         window = d.get("sliding_window")
+    elif architecture == "SmolLM3ForCausalLM":  # the unrotated layers, where use_sliding_window is set
+        layer_types = d.get("layer_types")
+        sliding = bool(d.get("use_sliding_window")) and (layer_types is None or "sliding_attention" in layer_types)
+        window = d.get("sliding_window") if sliding else None
     elif architecture == "Gemma2ForCausalLM":  # every other layer, unless layer_types says none
         layer_types = d.get("layer_types")
         sliding = layer_types is None or "sliding_attention" in layer_types
@@ -278,7 +313,8 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
 def _rope(d: dict, max_positions: int, architecture: str) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from either the old or the new spelling."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or _ARCH_DEFAULTS[architecture].get(
+        "rope_theta", 10000.0))
     params.pop("partial_rotary_factor", None)  # ModelConfig's own field
     rope_type = params.pop("rope_type", None) or params.get("type") or "default"
     params.pop("type", None)

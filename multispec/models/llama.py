@@ -190,6 +190,8 @@ class SelfAttention(nn.Module):
         # Qwen3: each head of q and k RMS-normalised before the rotation.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotates = config.rope_layers[layer] if config.rope_layers else True
+        """False for SmolLM3's unrotated ("NoPE") layers."""
 
         self.fused = False
 
@@ -208,14 +210,16 @@ class SelfAttention(nn.Module):
             qk = qkv[:, : heads + kv_heads]
             if self.q_norm is not None:
                 qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-            qk = apply_rope(qk, cos, sin)
+            if self.rotates:
+                qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         else:
             q = self.q_proj(x).view(t, heads, self.head_dim)
             k = self.k_proj(x).view(t, kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rotates:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.v_proj(x).view(t, kv_heads, self.head_dim)
         out = attention.attend(self.layer, q, k, v).reshape(t, heads * self.head_dim)
         return self.o(out) if self.fused else self.o_proj(out)

@@ -1,9 +1,10 @@
 """Each architecture end to end through ``LLM``: tiny random Qwen3 (per-head q/k norms, heads
-wider than hidden / heads), Phi-3 (fused products, partial rotation, LongRoPE) and Gemma 2
-checkpoints (sandwich norms, soft caps, GELU) generate what transformers' own model generates,
-with and without speculation, and their log-probabilities; a Mistral checkpoint with a sliding
-window keeps its sequences within the window, where attending to the whole sequence is the same
-thing, and so do Phi-3's LongRoPE within its original length and Gemma 2's window.
+wider than hidden / heads), SmolLM3 (an unrotated layer), Phi-3 (fused products, partial
+rotation, LongRoPE) and Gemma 2 checkpoints (sandwich norms, soft caps, GELU) generate what
+transformers' own model generates, with and without speculation, and their log-probabilities; a
+Mistral checkpoint with a sliding window keeps its sequences within the window, where attending
+to the whole sequence is the same thing, and so do Phi-3's LongRoPE within its original length
+and the windows of Gemma 2 and SmolLM3.
 
 Greedy decoding in float32: transformers and multispec agree to about 1e-5 on these logits
 (tests/models/test_parity.py), and no top-two gap over the tokens compared is below 3.9e-3 with
@@ -133,10 +134,29 @@ def save_gemma2(directory):
     return model
 
 
-@pytest.mark.parametrize("kind", ["phi3", "gemma2"])
+def save_smollm3(directory):
+    """SmolLM3's kind of checkpoint, small: the second of two layers unrotated ("NoPE"), with a
+    window of 48 positions on it."""
+    config = transformers.SmolLM3Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
+                                        use_sliding_window=True, sliding_window=48, max_position_embeddings=256,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(6)
+    model = transformers.SmolLM3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if ".q_proj." in name or ".k_proj." in name:
+                weight.mul_(8)
+    model.save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "smollm3"])
 def test_generates_what_transformers_generates(tmp_path, kind):
-    hf = {"phi3": save_phi3, "gemma2": save_gemma2}[kind](tmp_path)
-    limit, why = {"phi3": (64, "original_max_position_embeddings=64"), "gemma2": (48, "sliding_window=48")}[kind]
+    hf = {"phi3": save_phi3, "gemma2": save_gemma2, "smollm3": save_smollm3}[kind](tmp_path)
+    limit, why = {"phi3": (64, "original_max_position_embeddings=64"), "gemma2": (48, "sliding_window=48"),
+                  "smollm3": (48, "sliding_window=48")}[kind]
     with pytest.raises(ValueError, match=rf"max_model_len=100.*\[2, {limit}\].*{why}"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32")

@@ -77,6 +77,13 @@ CASES = {
     "gemma2-27b-like": dict(model_type="gemma2", **SMALL, head_dim=16, query_pre_attn_scalar=24,
                             layer_types=["full_attention"], attn_logit_softcapping=None,
                             final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
+    # SmolLM3: every fourth layer unrotated, or the layers its list names; a window on those.
+    "smollm3-minimal": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", pad_token_id=0,
+                            **{**SMALL, "num_hidden_layers": 8}),
+    "smollm3-listed": dict(model_type="smollm3", **SMALL, pad_token_id=0, no_rope_layers=[0], attention_bias=True,
+                           mlp_bias=True, rope_theta=5000.0),
+    "smollm3-window": dict(model_type="smollm3", pad_token_id=0, **{**SMALL, "num_hidden_layers": 4},
+                           use_sliding_window=True, sliding_window=64),
 }
 LONGROPE_LIMITS = {"phi3-su": 4096, "phi4-mini-like": 4096}
 """Where LongRoPE's two factor lists differ, the network stops at the original length: past it
@@ -119,6 +126,8 @@ def test_matches_transformers(case):
     assert ours.sandwich_norms == hasattr(layer, "pre_feedforward_layernorm")
     for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         assert getattr(ours, field) == getattr(hf, field, None), field
+    rotates = [bool(getattr(layer.self_attn, "use_rope", True)) for layer in model.model.layers]
+    assert (list(ours.rope_layers) or [True] * ours.num_hidden_layers) == rotates
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
 
     rope = dict(hf.rope_parameters)

@@ -1,8 +1,9 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma and Gemma 2 checkpoints (GQA, biases,
+Checked on tiny random Llama, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma and Gemma 2 checkpoints (GQA, biases,
 tied and untied heads, rope scaling, Qwen3's per-head q/k norms and heads wider than hidden /
-heads, Phi-3's fused products, LongRoPE and partial rotation, Gemma's norms, activation and
+heads, SmolLM3's unrotated layers, Phi-3's fused products, LongRoPE and partial rotation, Gemma's
+norms, activation and
 scaled embeddings, Gemma 2's sandwich norms, soft caps and attention scale) and on the real
 default model. Tolerance: max abs diff 1e-3 on fp32 logits; a wrong
 rope, mask or cache index moves logits by far more.
@@ -47,6 +48,12 @@ def tiny(kind: str, **overrides):
                     weight.add_(0.3 * torch.randn_like(weight))
                 if ".q_proj." in name or ".k_proj." in name:
                     weight.mul_(8)
+    elif kind == "smollm3":
+        hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**common, pad_token_id=0)).eval()
+        with torch.no_grad():  # q and k sharpened: a rotation where there is none must show
+            for name, weight in hf.named_parameters():
+                if ".q_proj." in name or ".k_proj." in name:
+                    weight.mul_(8)
     elif kind == "phi3":
         hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
         # q and k larger than at initialisation, so that attention is sharp, as a trained model's is:
@@ -77,6 +84,9 @@ CASES = {
     "phi3-longrope": ("phi3", dict(original_max_position_embeddings=96, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
         "long_factor": [8.0] * 8})),
+    # SmolLM3: an unrotated ("NoPE") layer, here the second of two; and the first of two, listed.
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
+    "smollm3-listed": ("smollm3", dict(no_rope_layers=[0, 1], attention_bias=True)),
     # Gemma: GELU, norms by 1 + weight, scaled embeddings, wide heads, tied. Gemma 2: its sandwich
     # norms, caps at their defaults (50 and 30, which these logits never come near) and at values
     # they reach, and an attention scale other than the head width (Gemma 2 27B's kind).
