@@ -61,6 +61,24 @@ def write_tiny_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def like_trained(model, norms: bool = False, sharpen: float | None = None) -> None:
+    """Moves a randomly initialised transformers model toward a trained one where the difference
+    would hide a mistake: ``norms``, norm weights of their own (each starts at 1, or at 0 for
+    Gemma's 1 + weight, so a norm left out or misapplied changes little); ``sharpen``, q and k
+    that many times larger (nearly uniform attention hides a wrong rotation, scale or cap)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qk_rows = (config.num_attention_heads + config.num_key_value_heads) * head_dim  # of Phi-3's fused q/k/v
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if norms and name.endswith("norm.weight"):
+                weight.add_(0.3 * torch.randn_like(weight))
+            if sharpen and (".q_proj." in name or ".k_proj." in name):
+                weight.mul_(sharpen)
+            if sharpen and ".qkv_proj." in name:
+                weight[:qk_rows] *= sharpen
+
+
 # Hugging Face parameter names (after "model.layers.{i}.") and their llama.cpp names.
 _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -18,25 +18,27 @@ import torch
 import transformers
 
 from multispec import LLM, SamplingParams, SpecConfig
-from tests.models.conftest import write_tiny_tokenizer
+from tests.models.conftest import like_trained, write_tiny_tokenizer
 
 TOKENS = 24
+SMALL = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 
-def save_qwen3(directory):
-    config = transformers.Qwen3Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
-                                      eos_token_id=2)
-    torch.manual_seed(3)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights of their own, as a trained model has
-        for name, weight in model.named_parameters():
-            if name.endswith("norm.weight"):
-                weight.add_(0.3 * torch.randn_like(weight))
+def save_model(directory, kind: str, seed: int, norms: bool = False, sharpen: float | None = None, **config):
+    """A tiny random transformers model of ``kind`` ("Qwen3", "Phi3", ...; ``SMALL`` and
+    ``config``), made like a trained one (``like_trained``), saved with the tiny tokenizer."""
+    config_class, model_class = getattr(transformers, f"{kind}Config"), getattr(transformers, f"{kind}ForCausalLM")
+    torch.manual_seed(seed)
+    model = model_class(config_class(**SMALL, **config)).eval()
+    like_trained(model, norms=norms, sharpen=sharpen)
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return model
+
+
+def save_qwen3(directory):
+    return save_model(directory, "Qwen3", 3, norms=True, head_dim=32, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,61 +97,23 @@ def test_a_sliding_window_bounds_the_context(tmp_path):
 def save_phi3(directory):
     """Phi-4-mini's kind of checkpoint, small: three quarters of each head rotated, LongRoPE with
     distinct short and long factors (so sequences stop at the original 64 positions), tied."""
-    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.8, 4.0],
-            "long_factor": [6.0] * 6}
-    config = transformers.Phi3Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
-                                     rope_scaling=rope, max_position_embeddings=256,
-                                     original_max_position_embeddings=64, tie_word_embeddings=True,
-                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(4)
-    model = transformers.Phi3ForCausalLM(config).eval()
-    rows = 6 * 16  # q and k (4 + 2 heads of 16) sharpened, as a trained model's attention is
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.qkv_proj.weight[:rows] *= 8
-    model.save_pretrained(directory)
-    write_tiny_tokenizer(directory)
-    return model
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.8, 4.0], "long_factor": [6.0] * 6}
+    return save_model(directory, "Phi3", 4, sharpen=8, partial_rotary_factor=0.75, rope_scaling=rope,
+                      original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)
 
 
 def save_gemma2(directory):
     """Gemma 2's kind of checkpoint, small: caps low enough to act on these scores and logits, an
     attention scale other than the head width, a window of 48 positions (every other layer)."""
-    config = transformers.Gemma2Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-                                       final_logit_softcapping=3.0, sliding_window=48, max_position_embeddings=256,
-                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(5)
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if name.endswith("norm.weight"):
-                weight.add_(0.3 * torch.randn_like(weight))
-            if ".q_proj." in name or ".k_proj." in name:
-                weight.mul_(8)
-    model.save_pretrained(directory)
-    write_tiny_tokenizer(directory)
-    return model
+    return save_model(directory, "Gemma2", 5, norms=True, sharpen=8, head_dim=16, query_pre_attn_scalar=24,
+                      attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=48, pad_token_id=0)
 
 
 def save_smollm3(directory):
     """SmolLM3's kind of checkpoint, small: the second of two layers unrotated ("NoPE"), with a
     window of 48 positions on it."""
-    config = transformers.SmolLM3Config(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
-                                        use_sliding_window=True, sliding_window=48, max_position_embeddings=256,
-                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(6)
-    model = transformers.SmolLM3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if ".q_proj." in name or ".k_proj." in name:
-                weight.mul_(8)
-    model.save_pretrained(directory)
-    write_tiny_tokenizer(directory)
-    return model
+    return save_model(directory, "SmolLM3", 6, sharpen=8, no_rope_layer_interval=2, use_sliding_window=True,
+                      sliding_window=48, pad_token_id=0)
 
 
 @pytest.mark.parametrize("kind", ["phi3", "gemma2", "smollm3"])

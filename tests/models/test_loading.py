@@ -68,16 +68,21 @@ def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_
     assert float(seconds) < 15.0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_round_trip(arch, tmp_path):
-    """A model written as GGUF the way llama.cpp does comes back with its original tensors."""
+def gguf_round_trip(tmp_path, arch: str, tie: bool):
+    """A tiny random ``arch`` model written as GGUF the way llama.cpp does, and loaded back:
+    (the loaded checkpoint, transformers' model, the file)."""
     source = tmp_path / "source"
-    save_tiny(source, arch, tie=arch == "llama")
+    save_tiny(source, arch, tie=tie)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
     gguf = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(gguf, hf, source, arch)
+    return load_checkpoint(gguf, cache_dir=tmp_path / "cache"), hf, gguf
 
-    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_round_trip(arch, tmp_path):
+    """A model written as GGUF the way llama.cpp does comes back with its original tensors."""
+    checkpoint, hf, gguf = gguf_round_trip(tmp_path, arch, tie=arch == "llama")
     assert_tensors_match_transformers(checkpoint, hf)
     want = ModelConfig.from_hf_dict(hf.config.to_dict())
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,13 +102,7 @@ def test_phi3_gguf_keeps_its_rotation_and_window(tmp_path):
     """A Phi-3 GGUF (fused q/k/v and gate/up products) comes back with its tensors, and with the
     partial rotation, LongRoPE factors and sliding window that llama.cpp writes and transformers'
     converter leaves out: without them the model would be another one."""
-    source = tmp_path / "source"
-    save_tiny(source, "phi3", tie=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
-    gguf = tmp_path / "tiny-phi3.gguf"
-    write_tiny_gguf(gguf, hf, source, "phi3")
-
-    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    checkpoint, hf, _ = gguf_round_trip(tmp_path, "phi3", tie=False)
     assert_tensors_match_transformers(checkpoint, hf)
     got, want = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
     assert got.architecture == "Phi3ForCausalLM" and got.rotary_dim == 4
@@ -116,12 +115,7 @@ def test_phi3_gguf_keeps_its_rotation_and_window(tmp_path):
 def test_gemma2_gguf_keeps_its_caps(tmp_path):
     """A Gemma 2 GGUF: norms stored as 1 + weight by llama.cpp come back as the checkpoint's, and
     the soft caps the file holds (transformers' converter keeps its defaults of 50 and 30)."""
-    source = tmp_path / "source"
-    save_tiny(source, "gemma2", tie=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
-    gguf = tmp_path / "tiny-gemma2.gguf"
-    write_tiny_gguf(gguf, hf, source, "gemma2")
-    checkpoint = load_checkpoint(gguf, cache_dir=tmp_path / "cache")
+    checkpoint, hf, _ = gguf_round_trip(tmp_path, "gemma2", tie=True)
     assert_tensors_match_transformers(checkpoint, hf)
     got, want = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
     for field in ("architecture", "head_dim", "hidden_act", "gemma_norms", "sandwich_norms", "query_pre_attn_scalar",

@@ -18,6 +18,7 @@ import transformers
 from multispec.models.config import ModelConfig
 from multispec.models.llama import LlamaForCausalLM
 from tests.helpers import new_cache, prefill, step
+from tests.models.conftest import like_trained
 
 TOL = 1e-3
 
@@ -31,37 +32,18 @@ def tiny(kind: str, **overrides):
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
-        # Norm weights away from their initial ones, or a q/k norm left out would go unnoticed.
-        with torch.no_grad():
-            for name, weight in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    weight.add_(0.3 * torch.randn_like(weight))
+        like_trained(hf, norms=True)  # or a q/k norm left out would go unnoticed
     elif kind in ("gemma", "gemma2"):
         config_class, model_class = {"gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
                                      "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
         hf = model_class(config_class(**common, pad_token_id=0)).eval()
-        # Norm weights of their own (Gemma's start at 0: 1 + weight), q and k sharpened so that
-        # the attention's scale and cap matter, as in a trained model.
-        with torch.no_grad():
-            for name, weight in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    weight.add_(0.3 * torch.randn_like(weight))
-                if ".q_proj." in name or ".k_proj." in name:
-                    weight.mul_(8)
+        like_trained(hf, norms=True, sharpen=8)  # so that the attention's scale and cap matter
     elif kind == "smollm3":
         hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**common, pad_token_id=0)).eval()
-        with torch.no_grad():  # q and k sharpened: a rotation where there is none must show
-            for name, weight in hf.named_parameters():
-                if ".q_proj." in name or ".k_proj." in name:
-                    weight.mul_(8)
+        like_trained(hf, sharpen=8)  # a rotation where there is none must show
     elif kind == "phi3":
         hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
-        # q and k larger than at initialisation, so that attention is sharp, as a trained model's is:
-        # nearly uniform attention would hide a wrong rotation or scale of a few dimensions.
-        rows = (hf.config.num_attention_heads + hf.config.num_key_value_heads) * hf.model.layers[0].self_attn.head_dim
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                layer.self_attn.qkv_proj.weight[:rows] *= 8
+        like_trained(hf, sharpen=8)  # a wrong rotation or scale of a few dimensions must show
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
