@@ -101,21 +101,20 @@ class ModelConfig:
 
     ``rope_scaling`` is ``None`` for plain RoPE; otherwise it holds ``rope_type`` plus
     that type's parameters (never ``rope_theta``, which has its own field).
-    ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for
-    Llama and Qwen3 it also puts a bias on o_proj, see the checkpoint's tensors).
+    ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for the others that
+    read it it also puts a bias on o_proj, see the checkpoint's tensors).
     ``qk_norm``: each head of q and k is RMS-normalised (its own weight per layer) before the
     rotation (Qwen3). ``sliding_window``: the number of positions a query sees in the layers that
-    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``, Phi-3's), None where
-    every layer attends to the whole sequence; the network attends to the whole sequence always,
-    which is the same thing for sequences of at most that length, so ``context_window`` stops
-    there. ``partial_rotary_factor``: the share of each head's dimensions that is rotated (the
-    first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
-
+    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``, Phi-3's, Gemma 2's),
+    None where every layer attends to the whole sequence; the network attends to the whole
+    sequence always, which is the same thing for sequences of at most that length, so
+    ``context_window`` stops there. ``partial_rotary_factor``: the share of each head's dimensions
+    that is rotated (the first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
     ``rope_layers``: per layer, whether it rotates q and k (SmolLM3 leaves every fourth layer
     unrotated, "NoPE"); empty where every layer does.
 
-    Gemma: ``hidden_act`` (the MLP's gate activation: Gemma's tanh-approximated GELU), ``gemma_norms``
-    (each RMS norm scales by 1 + its weight, in float32, and the embeddings by sqrt(hidden_size)),
+    Gemma: ``hidden_act`` (the MLP's gate activation: Gemma's tanh-approximated GELU),
+    ``gemma_norms`` (each RMS norm scales by 1 + its weight, in float32, and the embeddings by sqrt(hidden_size)),
     ``sandwich_norms`` (Gemma 2: each block's output normalised too, before the residual add, and
     the MLP's input by its own norm), ``query_pre_attn_scalar`` (attention scores scaled by its
     inverse square root, not the head width's), ``attn_logit_softcapping`` and
@@ -284,15 +283,16 @@ def _sliding_window(d: dict, architecture: str) -> int | None:
     ``sliding_window`` (4096 where the key is absent, none where it is null); for Qwen2 and Qwen3
     the layers ``layer_types`` names "sliding_attention", or, without that list, those from
     ``max_window_layers`` on where ``use_sliding_window`` is set; Phi-3's ``sliding_window`` (none
-    where absent)."""
+    where absent); Gemma 2's, on every other layer; SmolLM3's, on its unrotated layers where
+    ``use_sliding_window`` is set."""
     if architecture == "MistralForCausalLM":
         window = d.get("sliding_window", 4096)
     elif architecture == "Phi3ForCausalLM":
         window = d.get("sliding_window")
     elif architecture == "SmolLM3ForCausalLM":  # the unrotated layers, where use_sliding_window is set
         layer_types = d.get("layer_types")
-        sliding = bool(d.get("use_sliding_window")) and (layer_types is None or "sliding_attention" in layer_types)
-        window = d.get("sliding_window") if sliding else None
+        windowed = not all(_rope_layers(d, architecture)) if layer_types is None else "sliding_attention" in layer_types
+        window = d.get("sliding_window") if d.get("use_sliding_window") and windowed else None
     elif architecture == "Gemma2ForCausalLM":  # every other layer, unless layer_types says none
         layer_types = d.get("layer_types")
         sliding = layer_types is None or "sliding_attention" in layer_types

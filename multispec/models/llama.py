@@ -368,7 +368,8 @@ def rotary_order(head_dim: int, rotary_dim: int) -> list[int] | None:
 def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under this network's names and in its layout: Phi-3's fused
     ``qkv_proj`` and ``gate_up_proj`` split into the Llama products (the network fuses them again,
-    in its own way), and, where only part of each head is rotated, q's and k's dimensions put in
+    in its own way); Gemma 2's attention scale, where it is not the head width's, carried by q's
+    weights; and, where only part of each head is rotated, q's and k's dimensions put in
     ``rotary_order``. Other checkpoints come back as they are."""
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
