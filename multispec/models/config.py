@@ -42,6 +42,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "eos_token_id": None,
     },
+    "GraniteForCausalLM": {
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "SmolLM3ForCausalLM": {
         "max_position_embeddings": 32768,
         "num_key_value_heads": 4,
@@ -84,9 +90,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                              "gemma2": "Gemma2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                              "gemma2": "Gemma2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                              "granite": "GraniteForCausalLM"}
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", *_GEMMA)
+_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", *_GEMMA)
 """Architectures whose ``attention_bias`` puts a bias on q, k, v and o (Qwen2's is always on, without o's)."""
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -119,6 +126,10 @@ class ModelConfig:
     the MLP's input by its own norm), ``query_pre_attn_scalar`` (attention scores scaled by its
     inverse square root, not the head width's), ``attn_logit_softcapping`` and
     ``final_logit_softcapping`` (scores and logits passed through ``cap * tanh(x / cap)``).
+
+    Granite: ``embedding_multiplier`` (the embeddings scaled by it), ``residual_multiplier`` (each
+    block's output, before the residual add), ``attention_multiplier`` (the scores' scale, in place
+    of the head width's inverse square root), ``logits_scaling`` (the logits divided by it).
     """
 
     architecture: str
@@ -148,6 +159,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_layers: tuple[bool, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def compiled_stack(self) -> bool:
@@ -224,7 +239,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or (architecture in _BIASED and bool(d.get("attention_bias", False))),
-            mlp_bias=architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM") and bool(d.get("mlp_bias", False)),
+            mlp_bias=architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM")
+            and bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
             qk_norm=architecture == "Qwen3ForCausalLM",
@@ -235,6 +251,7 @@ class ModelConfig:
             sandwich_norms=architecture == "Gemma2ForCausalLM",
             **_gemma2_scalars(d, architecture),
             rope_layers=_rope_layers(d, architecture),
+            **_granite_multipliers(d, architecture),
         )
 
 
@@ -262,6 +279,18 @@ def _rope_layers(d: dict, architecture: str) -> tuple[bool, ...]:
     if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
         raise ValueError(f"no_rope_layers: must be a list of {layers} flags (1: the layer rotates, 0: it does not)")
     return tuple(bool(f) for f in flags)
+
+
+def _granite_multipliers(d: dict, architecture: str) -> dict:
+    """Granite's four scalars (1.0 each where config.json leaves them out, as transformers' defaults)."""
+    if architecture != "GraniteForCausalLM":
+        return {}
+    out = {key: d.get(key, 1.0) for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                            "logits_scaling")}
+    for key, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{key}={value!r}: must be a positive number")
+    return {key: float(value) for key, value in out.items()}
 
 
 def _gemma2_scalars(d: dict, architecture: str) -> dict:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma) in plain PyTorch, over packed tokens.
+"""The Llama family (Llama, SmolLM, Mistral, Qwen, Phi-3, Gemma, Granite) in plain PyTorch, over packed tokens.
 
 The network never sees a batch dimension: every call runs ``T`` new tokens of any number of
 sequences concatenated, so each matrix multiply sees exactly the tokens that exist. How the
@@ -322,11 +322,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
         self.embed_scale = config.hidden_size ** 0.5 if config.gemma_norms else None
         """Gemma's embeddings are scaled by sqrt(hidden_size), rounded to their dtype as Gemma's are."""
+        self.embedding_multiplier = config.embedding_multiplier
+        """Granite's embeddings are scaled by this."""
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         return x
 
 
@@ -368,8 +372,8 @@ def rotary_order(head_dim: int, rotary_dim: int) -> list[int] | None:
 def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under this network's names and in its layout: Phi-3's fused
     ``qkv_proj`` and ``gate_up_proj`` split into the Llama products (the network fuses them again,
-    in its own way); Gemma 2's attention scale, where it is not the head width's, carried by q's
-    weights; and, where only part of each head is rotated, q's and k's dimensions put in
+    in its own way); an attention scale other than the head width's (Gemma 2's, Granite's) carried
+    by q's weights, Granite's residual multiplier by each block's last product; and, where only part of each head is rotated, q's and k's dimensions put in
     ``rotary_order``. Other checkpoints come back as they are."""
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
@@ -386,12 +390,20 @@ def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
             out.update({f"{base}gate_proj.{kind}": gate, f"{base}up_proj.{kind}": up})
         else:
             out[name] = tensor
-    if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
-        # Gemma 2 scales scores by query_pre_attn_scalar ** -0.5, the attention by head_dim ** -0.5:
-        # q (linear in the weights, and the rotation linear in q) carries the difference.
-        factor = (config.head_dim / config.query_pre_attn_scalar) ** 0.5
-        out = {name: (tensor.float() * factor).to(tensor.dtype) if ".self_attn.q_proj." in name else tensor
-               for name, tensor in out.items()}
+    q_factor = 1.0
+    if config.attention_multiplier is not None:
+        q_factor = config.attention_multiplier * config.head_dim ** 0.5
+    elif config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
+        q_factor = (config.head_dim / config.query_pre_attn_scalar) ** 0.5
+    factors = {".self_attn.q_proj.": q_factor, ".self_attn.o_proj.": config.residual_multiplier,
+               ".mlp.down_proj.": config.residual_multiplier}
+    for part, factor in factors.items():
+        # The attention scales scores by head_dim ** -0.5: q (linear in the weights, and the
+        # rotation linear in q) carries any other scale (Gemma 2's, Granite's); each block's last
+        # product carries Granite's residual multiplier.
+        if factor != 1.0:
+            out = {name: (tensor.float() * factor).to(tensor.dtype) if part in name else tensor
+                   for name, tensor in out.items()}
     order = rotary_order(config.head_dim, config.rotary_dim)
     if order is None:
         return out
@@ -503,6 +515,8 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32 whatever is asked
             return torch.tanh(out.float() / cap) * cap
+        if self.config.logits_scaling != 1.0:  # Granite: divided, in float32 whatever is asked
+            return out.float() / self.config.logits_scaling
         return out.float() if float32 else out
 
     def fuse(self, pack: bool) -> None:

@@ -84,6 +84,11 @@ CASES = {
                            mlp_bias=True, rope_theta=5000.0),
     "smollm3-window": dict(model_type="smollm3", pad_token_id=0, **{**SMALL, "num_hidden_layers": 4},
                            use_sliding_window=True, sliding_window=64),
+    # Granite: its four multipliers (1.0 each where left out), biases.
+    "granite-minimal": dict(architectures=["GraniteForCausalLM"], model_type="granite", **SMALL),
+    "granite-3": dict(model_type="granite", **SMALL, num_key_value_heads=2, embedding_multiplier=12.0,
+                      residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
+                      tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
 }
 LONGROPE_LIMITS = {"phi3-su": 4096, "phi4-mini-like": 4096}
 """Where LongRoPE's two factor lists differ, the network stops at the original length: past it
@@ -126,6 +131,9 @@ def test_matches_transformers(case):
     assert ours.sandwich_norms == hasattr(layer, "pre_feedforward_layernorm")
     for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         assert getattr(ours, field) == getattr(hf, field, None), field
+    for field in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        assert getattr(ours, field) == getattr(hf, field, 1.0), field
+    assert ours.attention_multiplier == getattr(hf, "attention_multiplier", None)
     rotates = [bool(getattr(layer.self_attn, "use_rope", True)) for layer in model.model.layers]
     assert (list(ours.rope_layers) or [True] * ours.num_hidden_layers) == rotates
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
