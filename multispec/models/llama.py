@@ -373,8 +373,9 @@ def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
     """A checkpoint's tensors under this network's names and in its layout: Phi-3's fused
     ``qkv_proj`` and ``gate_up_proj`` split into the Llama products (the network fuses them again,
     in its own way); an attention scale other than the head width's (Gemma 2's, Granite's) carried
-    by q's weights, Granite's residual multiplier by each block's last product; and, where only part of each head is rotated, q's and k's dimensions put in
-    ``rotary_order``. Other checkpoints come back as they are."""
+    by q's weights, Granite's residual multiplier by each block's last product; and, where only
+    part of each head is rotated, q's and k's dimensions put in ``rotary_order``. Other
+    checkpoints come back as they are."""
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
     out = {}
