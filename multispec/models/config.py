@@ -48,6 +48,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    "Olmo2ForCausalLM": {
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": None,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+    },
     "SmolLM3ForCausalLM": {
         "max_position_embeddings": 32768,
         "num_key_value_heads": 4,
@@ -91,9 +98,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                               "gemma2": "Gemma2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                              "granite": "GraniteForCausalLM"}
+                              "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", *_GEMMA)
+_BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+           *_GEMMA)
 """Architectures whose ``attention_bias`` puts a bias on q, k, v and o (Qwen2's is always on, without o's)."""
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -127,6 +135,10 @@ class ModelConfig:
     inverse square root, not the head width's), ``attn_logit_softcapping`` and
     ``final_logit_softcapping`` (scores and logits passed through ``cap * tanh(x / cap)``).
 
+    OLMo 2: ``post_norms`` (no norm before attention or MLP: each block's output is normalised,
+    before the residual add, and the norms scale in float32), ``qk_norm_whole`` (q and k each
+    RMS-normalised across all their heads at once, before the rotation).
+
     Granite: ``embedding_multiplier`` (the embeddings scaled by it), ``residual_multiplier`` (each
     block's output, before the residual add), ``attention_multiplier`` (the scores' scale, in place
     of the head width's inverse square root), ``logits_scaling`` (the logits divided by it).
@@ -159,6 +171,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_layers: tuple[bool, ...] = ()
+    post_norms: bool = False
+    qk_norm_whole: bool = False
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
@@ -168,7 +182,8 @@ class ModelConfig:
     def compiled_stack(self) -> bool:
         """Whether the compiled decode layer stack computes this network (SiLU MLPs, plain norms,
         every layer rotated; the layer-by-layer path computes the rest)."""
-        return self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms) and all(self.rope_layers)
+        return (self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms or self.post_norms)
+                and all(self.rope_layers))
 
     @property
     def rotary_dim(self) -> int:
@@ -251,6 +266,8 @@ class ModelConfig:
             sandwich_norms=architecture == "Gemma2ForCausalLM",
             **_gemma2_scalars(d, architecture),
             rope_layers=_rope_layers(d, architecture),
+            post_norms=architecture == "Olmo2ForCausalLM",
+            qk_norm_whole=architecture == "Olmo2ForCausalLM",
             **_granite_multipliers(d, architecture),
         )
 

@@ -136,13 +136,15 @@ class Projection:
 
 class RMSNorm(nn.Module):
     """Llama's RMS norm: the normalised row rounded to x's dtype, then times the weight; ``gemma``:
-    Gemma's, times 1 + the weight in float32, then rounded."""
+    Gemma's, times 1 + the weight in float32, then rounded; ``float32``: OLMo 2's, times the
+    weight in float32, then rounded."""
 
-    def __init__(self, size: int, eps: float, gemma: bool = False):
+    def __init__(self, size: int, eps: float, gemma: bool = False, float32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.gemma = gemma
+        self.float32 = float32 or gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -150,8 +152,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.float32:
+            return (x * (1.0 + self.weight.float() if self.gemma else self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
     def library_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +162,8 @@ class RMSNorm(nn.Module):
         dispatching its operations (a GPU). On the CPU the element-wise form stays: its prefill
         and portable decode paths are what the compiled kernels are checked against."""
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.gemma:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if self.float32:
+            return (normed * (1.0 + self.weight.float() if self.gemma else self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -190,6 +192,11 @@ class SelfAttention(nn.Module):
         # Qwen3: each head of q and k RMS-normalised before the rotation.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # OLMo 2: q and k each normalised across all their heads at once.
+        self.whole_norms = config.qk_norm_whole
+        if self.whole_norms:
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps, float32=True)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps, float32=True)
         self.rotates = config.rope_layers[layer] if config.rope_layers else True
         """False for SmolLM3's unrotated ("NoPE") layers."""
 
@@ -204,7 +211,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
         t = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.fused:
+        if self.fused and self.whole_norms:
+            flat = self.qkv(x)
+            q_end, k_end = heads * self.head_dim, (heads + kv_heads) * self.head_dim
+            q = self.q_norm(flat[:, :q_end]).view(t, heads, self.head_dim)
+            k = self.k_norm(flat[:, q_end:k_end]).view(t, kv_heads, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = flat[:, k_end:].view(t, kv_heads, self.head_dim)
+        elif self.fused:
             # q and k lie side by side in the fused output: one rotation covers both.
             qkv = self.qkv(x).view(t, heads + 2 * kv_heads, -1)
             qk = qkv[:, : heads + kv_heads]
@@ -214,9 +228,11 @@ class SelfAttention(nn.Module):
                 qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         else:
-            q = self.q_proj(x).view(t, heads, self.head_dim)
-            k = self.k_proj(x).view(t, kv_heads, self.head_dim)
-            if self.q_norm is not None:
+            q, k = self.q_proj(x), self.k_proj(x)
+            if self.whole_norms:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.view(t, heads, self.head_dim), k.view(t, kv_heads, self.head_dim)
+            if self.q_norm is not None and not self.whole_norms:
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rotates:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -292,21 +308,27 @@ class DecoderLayer(nn.Module):
     """Llama's block: x + attention(norm(x)), then + mlp(norm(x)), the second norm named
     ``post_attention_layernorm``; with ``sandwich_norms`` (Gemma 2) that norm is applied to the
     attention's output, the MLP's input has ``pre_feedforward_layernorm`` and its output
-    ``post_feedforward_layernorm``."""
+    ``post_feedforward_layernorm``; with ``post_norms`` (OLMo 2) only the outputs are normalised."""
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = SelfAttention(config, layer)
         self.mlp = MLP(config)
-        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)  # noqa: E731
-        self.input_layernorm = norm()
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms,  # noqa: E731
+                               config.post_norms)
+        self.sandwich, self.post_only = config.sandwich_norms, config.post_norms
+        if not self.post_only:
+            self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
-        self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
+        if self.sandwich or self.post_only:
             self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, attention: Attention):
+        if self.post_only:  # OLMo 2
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -319,7 +341,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms, config.post_norms)
         self.embed_scale = config.hidden_size ** 0.5 if config.gemma_norms else None
         """Gemma's embeddings are scaled by sqrt(hidden_size), rounded to their dtype as Gemma's are."""
         self.embedding_multiplier = config.embedding_multiplier

@@ -89,6 +89,10 @@ CASES = {
     "granite-3": dict(model_type="granite", **SMALL, num_key_value_heads=2, embedding_multiplier=12.0,
                       residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
                       tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    # OLMo 2: its defaults, and biases.
+    "olmo2-minimal": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2", **SMALL),
+    "olmo2-biased": dict(model_type="olmo2", **SMALL, num_key_value_heads=2, attention_bias=True,
+                         rope_theta=500000.0),
 }
 LONGROPE_LIMITS = {"phi3-su": 4096, "phi4-mini-like": 4096}
 """Where LongRoPE's two factor lists differ, the network stops at the original length: past it
@@ -118,7 +122,11 @@ def test_matches_transformers(case):
     assert ours.num_key_value_heads == kv_rows // attn.head_dim
     assert ours.attention_bias == (q_bias is not None)
     assert (attn.o_proj.bias is not None) == (ours.attention_bias and ours.architecture != "Qwen2ForCausalLM")
-    assert ours.qk_norm == (getattr(attn, "q_norm", None) is not None) == (getattr(attn, "k_norm", None) is not None)
+    has_norms = getattr(attn, "q_norm", None) is not None
+    assert has_norms == (getattr(attn, "k_norm", None) is not None)
+    assert (ours.qk_norm or ours.qk_norm_whole) == has_norms
+    if has_norms:  # per head (Qwen3), or across all heads (OLMo 2)
+        assert attn.q_norm.weight.shape[0] == attn.head_dim * (ours.num_attention_heads if ours.qk_norm_whole else 1)
     layer_types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None) if layer_types is None or "sliding_attention" in layer_types else None
     assert ours.sliding_window == window
@@ -129,6 +137,7 @@ def test_matches_transformers(case):
     assert ours.hidden_act == (hf.hidden_activation if hasattr(hf, "hidden_activation") else hf.hidden_act)
     assert ours.gemma_norms == type(model.model.norm).__name__.startswith("Gemma")
     assert ours.sandwich_norms == hasattr(layer, "pre_feedforward_layernorm")
+    assert ours.post_norms == ours.qk_norm_whole == (not hasattr(layer, "input_layernorm"))
     for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         assert getattr(ours, field) == getattr(hf, field, None), field
     for field in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):

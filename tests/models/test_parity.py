@@ -1,8 +1,9 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, Gemma and Gemma 2
+Checked on tiny random Llama, Qwen2, Qwen3, SmolLM3, Granite, OLMo 2, Phi-3, Gemma and Gemma 2
 checkpoints (GQA, biases, tied and untied heads, rope scaling, Qwen3's per-head q/k norms and
-heads wider than hidden / heads, SmolLM3's unrotated layers, Granite's multipliers, Phi-3's fused
+heads wider than hidden / heads, SmolLM3's unrotated layers, Granite's multipliers, OLMo 2's
+output norms and whole q/k norms, Phi-3's fused
 products, LongRoPE and partial rotation, Gemma's norms, activation and scaled embeddings, Gemma
 2's sandwich norms, soft caps and attention scale) and on the real default model. Tolerance: max
 abs diff 1e-3 on fp32 logits; a wrong rope, mask or cache index moves logits by far more.
@@ -37,6 +38,9 @@ def tiny(kind: str, **overrides):
                                      "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
         hf = model_class(config_class(**common, pad_token_id=0)).eval()
         like_trained(hf, norms=True, sharpen=8)  # so that the attention's scale and cap matter
+    elif kind == "olmo2":
+        hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common)).eval()
+        like_trained(hf, norms=True, sharpen=8)
     elif kind == "granite":
         hf = transformers.GraniteForCausalLM(transformers.GraniteConfig(**common)).eval()
         like_trained(hf, sharpen=8)  # so that the attention's scale matters
@@ -68,6 +72,9 @@ CASES = {
     "phi3-longrope": ("phi3", dict(original_max_position_embeddings=96, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5],
         "long_factor": [8.0] * 8})),
+    # OLMo 2: norms on the blocks' outputs only, q and k normalised across their heads.
+    "olmo2": ("olmo2", dict(rope_theta=500000.0)),
+    "olmo2-tied-bias": ("olmo2", dict(tie_word_embeddings=True, attention_bias=True)),
     # Granite 3's multipliers (its 2B model's: embeddings x12, blocks x0.22, scores x1/64 against
     # this head width's 1/4, logits /8), untied and tied with biases.
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
