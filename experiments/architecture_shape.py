@@ -6,7 +6,9 @@ costs: ``--arch qwen3`` Qwen3-0.6B (28 layers, hidden 1024, 16 query heads of 12
 a 151,936-token tied head; its decode steps run the compiled layer stack), ``--arch gemma2``
 Gemma-2-2B (26 layers, hidden 2304, 8 query heads of 256 over 4 KV heads, a 256,000-token tied
 head, soft-capped scores and logits; its decode steps run layer by layer, the attention through
-the reference kernel, since no fused kernel caps scores). The weights are transformers' random
+the reference kernel, since no fused kernel caps scores), ``--arch olmo2`` OLMo-2-0425-1B (16
+layers, hidden 2048, 16 heads of 128, a 100,352-token untied head; its decode steps run layer by
+layer, its attention through the compiled kernel). The weights are transformers' random
 initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
 ``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the
 same number of tokens. tokens/s = generated tokens / wall seconds of the call; medians of
@@ -14,6 +16,7 @@ same number of tokens. tokens/s = generated tokens / wall seconds of the call; m
 
     .venv/bin/python experiments/architecture_shape.py --arch qwen3 --prompts 4 --n 16 --max-tokens 128 --runs 3
     .venv/bin/python experiments/architecture_shape.py --arch gemma2 --prompts 2 --n 8 --max-tokens 64 --runs 3
+    .venv/bin/python experiments/architecture_shape.py --arch olmo2 --prompts 2 --n 8 --max-tokens 64 --runs 3
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ SHAPES = {
         num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256,
         sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, bos_token_id=None,
         eos_token_id=None, pad_token_id=0)),
+    "olmo2": ("OLMo-2-0425-1B", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)),
 }
 
 
