@@ -37,6 +37,11 @@ class PrefillAttention:
         self.masks = [None if start < length else
                       torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start)
                       for (_, length), start in zip(segments, self.starts)]
+        self.cap = cache.config.attn_logit_softcapping
+        if self.cap is not None:  # the unfused kernel below takes every segment's mask, additive, built once
+            self.masks = [torch.zeros(length, start + length, device=cache.k_store.device).masked_fill_(
+                ~torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start),
+                float("-inf")) for (_, length), start in zip(segments, self.starts)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outputs = []
@@ -55,15 +60,10 @@ class PrefillAttention:
                 kk = keys[:, :start + length].to(q.dtype)
                 vv = values[:, :start + length].to(q.dtype)
             rows = q[begin:end].transpose(0, 1)
-            cap = self.cache.config.attn_logit_softcapping
-            if cap is not None:  # no fused kernel caps its scores: this prompt's rows, unfused
-                visible = mask if mask is not None else torch.ones(
-                    length, start + length, dtype=torch.bool, device=rows.device).tril(start)
+            if self.cap is not None:  # no fused kernel caps its scores: this prompt's rows, unfused
                 group = rows.shape[0] // kk.shape[0]
                 out, _ = _reference_kernel(rows, kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0),
-                                           torch.zeros(visible.shape, dtype=torch.float32,
-                                                       device=rows.device).masked_fill_(~visible, float("-inf")),
-                                           softcap=cap)
+                                           mask, softcap=self.cap)
                 outputs.append(out.transpose(0, 1))
                 begin = end
                 continue

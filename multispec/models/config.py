@@ -302,12 +302,8 @@ def _granite_multipliers(d: dict, architecture: str) -> dict:
     """Granite's four scalars (1.0 each where config.json leaves them out, as transformers' defaults)."""
     if architecture != "GraniteForCausalLM":
         return {}
-    out = {key: d.get(key, 1.0) for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                                            "logits_scaling")}
-    for key, value in out.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{key}={value!r}: must be a positive number")
-    return {key: float(value) for key, value in out.items()}
+    return _positive({key: d.get(key, 1.0) for key in ("embedding_multiplier", "residual_multiplier",
+                                                        "attention_multiplier", "logits_scaling")})
 
 
 def _gemma2_scalars(d: dict, architecture: str) -> dict:
@@ -316,12 +312,20 @@ def _gemma2_scalars(d: dict, architecture: str) -> dict:
     if architecture != "Gemma2ForCausalLM":
         return {}
     defaults = _ARCH_DEFAULTS[architecture]
-    out = {key: d[key] if key in d else defaults[key]
-           for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")}
-    for key, value in out.items():
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"{key}={value!r}: must be a positive number or null")
-    return {key: float(value) if value is not None else None for key, value in out.items()}
+    return _positive({key: d[key] if key in d else defaults[key]
+                      for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")},
+                     nullable=("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"))
+
+
+def _positive(values: dict, nullable: tuple[str, ...] = ()) -> dict:
+    """``values`` as floats, each a positive number (or None, for the keys in ``nullable``), else a
+    ValueError naming the key."""
+    for key, value in values.items():
+        if value is None and key in nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{key}={value!r}: must be a positive number" + (" or null" if key in nullable else ""))
+    return {key: float(value) if value is not None else None for key, value in values.items()}
 
 
 def _sliding_window(d: dict, architecture: str) -> int | None:

@@ -39,9 +39,10 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
     raise ValueError(f"unsupported RoPE type {rope_type!r}")
 
 
-def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+def _base_inv_freq(base: float, dim: int, factors: torch.Tensor | None = None) -> torch.Tensor:
+    """1 / base^(2i / dim), each divided by its factor where given (LongRoPE), in one rounding."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    return 1.0 / (base**exponents)
+    return 1.0 / (base**exponents if factors is None else factors * base**exponents)
 
 
 def _dynamic(config: ModelConfig, factor: float, seq_len: int | None) -> torch.Tensor:
@@ -113,9 +114,7 @@ def _longrope(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
-    dim = config.rotary_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    return 1.0 / (factors * config.rope_theta**exponents), float(attention_factor)
+    return _base_inv_freq(config.rope_theta, config.rotary_dim, factors), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
