@@ -37,16 +37,28 @@ class PrefillAttention:
         self.masks = [None if start < length else
                       torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start)
                       for (_, length), start in zip(segments, self.starts)]
+        # Layers with a sliding window of W positions (``ModelConfig.layer_window``): row i also sees
+        # no key at or before start + i - W; a mask for the segments that reach that far.
+        window = cache.config.sliding_window
+        device = cache.k_store.device
+        self.window_masks = [None if window is None or start + length <= window else
+                             torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
+                             & ~torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start - window)
+                             for (_, length), start in zip(segments, self.starts)]
         self.cap = cache.config.attn_logit_softcapping
         if self.cap is not None:  # the unfused kernel below takes every segment's mask, additive, built once
-            self.masks = [torch.zeros(length, start + length, device=cache.k_store.device).masked_fill_(
-                ~torch.ones(length, start + length, dtype=torch.bool, device=cache.k_store.device).tril(start),
-                float("-inf")) for (_, length), start in zip(segments, self.starts)]
+            causal = [torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
+                      for (_, length), start in zip(segments, self.starts)]
+            self.masks = [_additive(visible) for visible in causal]
+            self.window_masks = [None if visible is None else _additive(visible) for visible in self.window_masks]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outputs = []
         begin = 0
-        for (slot, length), start, mask in zip(self.segments, self.starts, self.masks):
+        windowed = self.cache.config.layer_window(layer) is not None
+        for (slot, length), start, mask, window_mask in zip(self.segments, self.starts, self.masks, self.window_masks):
+            if windowed and window_mask is not None:
+                mask = window_mask
             end = begin + length
             kk = k[begin:end].transpose(0, 1)
             vv = v[begin:end].transpose(0, 1)
@@ -153,12 +165,19 @@ class DecodeAttention:
         capped = cache.config.attn_logit_softcapping is not None
         self.op = compiled_kernel(device) if compiled and layout.scratch is None and not capped else None
         self.parts: list[_Part] = []
+        self.window_parts: list[_Part] | None = None
+        """The portable path's parts with each row's sliding window, for the layers that have one
+        (``ModelConfig.layer_window``), where some row of the step is that far into its sequence;
+        None where no window excludes a key this step (every layer then runs as without one)."""
+        window = cache.config.sliding_window
+        windowed = window is not None and int((layout.prompt_len + layout.written + counts).max()) > window
         if self.op is not None:
             slots = torch.arange(batch) if in_place else layout.slots
             self.op_args = tuple(t.to(device, torch.long).contiguous() for t in (
                 slots, offsets, counts, layout.written, layout.prompt_slot, layout.prompt_len)) + (
                 layout.tree_mask.to(device, torch.bool).contiguous(), cache.config.head_dim ** -0.5)
-            return
+            if not windowed:
+                return
         row_sample = torch.repeat_interleave(torch.arange(batch), counts)
         row_index = torch.arange(total) - offsets[row_sample]
         self.row_sample = (row_sample if in_place else layout.slots[row_sample]).to(device)
@@ -166,32 +185,42 @@ class DecodeAttention:
         drafting = torch.nonzero(counts > 1).flatten()
         if split is None:
             split = split_step(batch, self.qmax, drafting.numel(), total)
-        if split and 0 < drafting.numel() < batch:
-            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, contiguous=in_place),
-                          _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, contiguous=False)]
-        else:
-            self.parts = [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, contiguous=in_place)]
+        split = split and 0 < drafting.numel() < batch
+
+        def parts(window: int | None) -> list[_Part]:
+            if split:
+                return [_Part(cache, layout, offsets, torch.arange(batch), 0, 1, in_place, window),
+                        _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, False, window)]
+            return [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, in_place, window)]
+
+        if self.op is None:
+            self.parts = parts(None)
+        if windowed:
+            self.window_parts = parts(window)
 
     def kernel_args(self) -> tuple | None:
         """What the compiled layer stack (``multispec.kernels.decode_layers``) needs to run this
         step's attention itself: the caches of every layer, then the compiled attention's index
         tensors; None where the step runs the portable path."""
-        if self.op is None:
+        if self.op is None or self.window_parts is not None:
             return None
         cache = self.cache
         return (cache.sample_k, cache.sample_v, cache.prompt_k, cache.prompt_v) + self.op_args
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        if self.op is not None:  # writes k and v into the sample slots itself
+        parts = self.parts
+        if self.window_parts is not None and cache.config.layer_window(layer) is not None:
+            parts = self.window_parts
+        elif self.op is not None:  # writes k and v into the sample slots itself
             return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
                            cache.prompt_v[layer], *self.op_args)
         cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k.to(cache.sample_k.dtype)
         cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v.to(cache.sample_v.dtype)
-        if len(self.parts) == 1:
-            return self.parts[0].attend(layer, q)
+        if len(parts) == 1:
+            return parts[0].attend(layer, q)
         out = q.new_empty(q.shape)
-        for part in self.parts:
+        for part in parts:
             out[part.rows] = part.attend(layer, q)
         return out
 
@@ -201,11 +230,17 @@ class _Part:
 
     Rows past a sample's own count are padding: they see key 0 only (a finite softmax) and are
     dropped. ``contiguous``: the members are samples 0..B-1 in slots 0..B-1, whose caches are
-    read in place; otherwise their slots are gathered.
+    read in place; otherwise their slots are gathered. ``window``: each row sees only the keys of
+    the last ``window`` positions up to its own (a sliding window); None: every key before it.
+
+    A row's position is its sample's prompt and text before the step, plus its depth in the
+    step's tree (and its draft-model ancestors among the scratch positions); a key of the text at
+    slot index j is at the prompt's length + j. A draft node's scratch positions are its
+    ancestors, nearer than any window the tree fits in: they stay seen.
     """
 
     def __init__(self, cache: KVCache, layout: StepLayout, offsets: torch.Tensor, members: torch.Tensor,
-                 first: int, width: int, contiguous: bool):
+                 first: int, width: int, contiguous: bool, window: int | None = None):
         self.cache = cache
         self.contiguous = contiguous
         self.members = members
@@ -233,6 +268,7 @@ class _Part:
         tree = layout.tree_mask[members][:, first: first + width]           # [P, W, Qmax]
         tree = torch.gather(tree, 2, rel_clamped[:, None, :].expand(size, width, self.key_len))
         seen_old = old[:, None, :]
+        in_scratch = torch.zeros_like(old)
         if layout.scratch is not None:  # this step's earlier draft nodes: only the ancestors
             drafted = rel + layout.scratch[members][:, None]                # index among them
             in_scratch = old & (drafted >= 0)
@@ -240,6 +276,21 @@ class _Part:
             ancestors = torch.gather(ancestors, 2, drafted.clamp(0, ancestors.shape[2] - 1)[:, None, :].expand(
                 size, width, self.key_len))
             seen_old = seen_old & (~in_scratch[:, None, :] | ancestors)
+        prompt_len = layout.prompt_len[members]
+        if window is not None:
+            depth = layout.tree_mask[members].sum(-1) - 1                   # [P, Qmax] each node's depth
+            row_depth = depth[:, first: first + width]                     # [P, W]
+            position = prompt_len[:, None] + written[:, None] + row_depth  # [P, W] each row's position
+            if layout.scratch is not None:
+                position += layout.scratch_mask[members][:, first: first + width].sum(-1) - layout.scratch[members][
+                    :, None]
+            # Lowest position each row sees; the text's keys at the prompt's length + j, the step's
+            # nodes at the row's position less their difference in depth.
+            lowest = position - window + 1
+            near_text = (prompt_len[:, None] + key_pos[None, :])[:, None, :] >= lowest[:, :, None]
+            seen_old = seen_old & (near_text | in_scratch[:, None, :])
+            key_depth = torch.gather(depth, 1, rel_clamped)                # [P, K]
+            tree = tree & (row_depth[:, :, None] - key_depth[:, None, :] < window)
         visible = seen_old | (new[:, None, :] & tree)                       # [P, W, K]
         visible[:, :, 0] |= ~real
         # As an additive mask [P, 1, G*W, K], rows in the order attend lays queries out (query
@@ -290,22 +341,55 @@ class _Part:
             self.group_slots = torch.tensor(slots)
             if self.prompt_mask is not None:
                 self.prompt_mask = self.prompt_mask[self.sample_group]
+        # Each member's rows against its prompt's keys [P, G*W, plen]: per row where a window applies.
+        prompt_visible = (torch.arange(self.prompt_len)[None, :] < prompt_len[:, None])[:, None, :]
+        self.prompt_dead = None
+        if window is not None:
+            prompt_visible = prompt_visible & (torch.arange(self.prompt_len)[None, None, :] >= lowest[:, :, None])
+            prompt_visible = prompt_visible[:, None].expand(size, group, width, -1).reshape(size, group * width, -1)
+            # A row whose window starts past its prompt sees none of it: in the halves, that half
+            # gets no weight (its log-sum-exp taken as -inf), computed over key 0 to stay finite.
+            dead = ~prompt_visible.any(-1)                                   # [P, G*W]
+            if bool(dead.any()):
+                self.prompt_dead = torch.zeros(size, 1, group * width, 1).masked_fill_(dead[:, None, :, None],
+                                                                                     float("-inf"))
+            halves_visible = prompt_visible.clone()
+            halves_visible[:, :, 0] |= dead
+            self.prompt_mask = _additive(self._prompt_rows(halves_visible), cache.compute_dtype)[:, None]
         # Off the CPU: each member's prompt and own keys as one sequence, one fused attention call
         # a layer (see ``concat_keys``), under one boolean mask [P, 1, G*W, prompt + own keys].
         self.member_prompt = self.concat_mask = None
         if self.concat:
             self.member_prompt = torch.tensor(slots)
-            prompt_visible = torch.arange(self.prompt_len)[None, :] < torch.tensor(lengths)[:, None]  # [P, plen]
-            mask = torch.cat((prompt_visible[:, None, None, :].expand(size, 1, group * width, self.prompt_len),
+            mask = torch.cat((prompt_visible[:, None].expand(size, 1, group * width, self.prompt_len),
                               own_visible), dim=-1)
             self.concat_mask = None if bool(mask.all()) else mask
-            self.prompt_mask = None  # the halves are not run
+            self.prompt_mask = self.prompt_dead = None  # the halves are not run
         for name in ("members", "member_slots", "member_of", "index_of", "rows", "sample_group", "sample_member",
-                     "group_slots", "prompt_mask", "own_mask", "member_prompt", "concat_mask"):
+                     "group_slots", "prompt_mask", "prompt_dead", "own_mask", "member_prompt", "concat_mask"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
         self.kernel = kernel_for(device) if cap is None else partial(_reference_kernel, softcap=cap)
+
+    def _prompt_rows(self, visible: torch.Tensor) -> torch.Tensor:
+        """Each member's rows' view of its prompt ``visible [P, G*W, plen]`` laid out as the
+        prompt half lays out its queries: [1, members * G*W, plen] for one prompt, [P, G*W, plen]
+        for one member per prompt, else [prompts, group size * G*W, plen] (a padding member sees
+        its prompt's keys)."""
+        if self.single:
+            return visible.reshape(1, -1, visible.shape[-1])
+        if self.one_each:
+            return visible
+        rows = visible.shape[1]
+        grouped = torch.zeros(self.num_groups, self.group_size, rows, visible.shape[-1], dtype=torch.bool)
+        grouped[self.sample_group, self.sample_member] = visible
+        for g in range(self.num_groups):  # padding members: every key of the prompt (a finite softmax)
+            taken = self.sample_member[self.sample_group == g]
+            free = torch.ones(self.group_size, dtype=torch.bool)
+            free[taken] = False
+            grouped[g, free] = visible[self.sample_group == g][0]
+        return grouped.reshape(self.num_groups, self.group_size * rows, -1)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention output of this part's real rows, in the order of ``rows``."""
@@ -391,9 +475,16 @@ class _Part:
             return x[self.sample_group, self.sample_member]
 
         pre_out, pre_lse = per_member(pre_out), per_member(pre_lse[..., None])
+        if self.prompt_dead is not None:  # rows whose window holds none of the prompt
+            pre_lse = pre_lse + self.prompt_dead
         # The two softmax halves merged exactly: each half weighted by its share of the total mass.
         share = torch.sigmoid(pre_lse - own_lse[..., None]).to(own_out.dtype)
         return torch.lerp(own_out, pre_out, share)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean mask as an additive one: 0 where seen, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):

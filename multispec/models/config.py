@@ -119,11 +119,11 @@ class ModelConfig:
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for the others that
     read it it also puts a bias on o_proj, see the checkpoint's tensors).
     ``qk_norm``: each head of q and k is RMS-normalised (its own weight per layer) before the
-    rotation (Qwen3). ``sliding_window``: the number of positions a query sees in the layers that
-    use a sliding window (Mistral's default, Qwen's ``use_sliding_window``, Phi-3's, Gemma 2's),
-    None where every layer attends to the whole sequence; the network attends to the whole
-    sequence always, which is the same thing for sequences of at most that length, so
-    ``context_window`` stops there. ``partial_rotary_factor``: the share of each head's dimensions
+    rotation (Qwen3). ``sliding_window``: the number of positions a query sees (itself and those
+    before it) in the layers that use a sliding window (Mistral's default, Qwen's
+    ``use_sliding_window``, Phi-3's, Gemma 2's), None where every layer attends to the whole
+    sequence; ``window_layers``: per layer, whether it is one of those (empty: every layer is,
+    where there is a window). ``partial_rotary_factor``: the share of each head's dimensions
     that is rotated (the first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
     ``rope_layers``: per layer, whether it rotates q and k (SmolLM3 leaves every fourth layer
     unrotated, "NoPE"); empty where every layer does.
@@ -163,6 +163,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     qk_norm: bool = False
     sliding_window: int | None = None
+    window_layers: tuple[bool, ...] = ()
     partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     gemma_norms: bool = False
@@ -185,6 +186,12 @@ class ModelConfig:
         return (self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms or self.post_norms)
                 and all(self.rope_layers))
 
+    def layer_window(self, layer: int) -> int | None:
+        """The number of positions a query of ``layer`` sees (None: the whole sequence)."""
+        if self.sliding_window is None or (self.window_layers and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
     @property
     def rotary_dim(self) -> int:
         """How many of each head's dimensions are rotated (the first ones)."""
@@ -202,9 +209,6 @@ class ModelConfig:
 
     def _context_limits(self) -> list[tuple[int, str]]:
         limits = [(self.max_position_embeddings, "")]
-        if self.sliding_window is not None:
-            limits.append((self.sliding_window, f"its sliding_window={self.sliding_window}: longer sequences would "
-                                                "need windowed attention, which multispec does not run"))
         scaling = self.rope_scaling or {}
         if scaling.get("rope_type") == "longrope" and scaling["long_factor"] != scaling["short_factor"]:
             original = scaling["original_max_position_embeddings"]
@@ -259,7 +263,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(d, architecture),
+            **_sliding_window(d, architecture),
             partial_rotary_factor=partial,
             hidden_act=activation,
             gemma_norms=architecture in _GEMMA,
@@ -328,36 +332,48 @@ def _positive(values: dict, nullable: tuple[str, ...] = ()) -> dict:
     return {key: float(value) if value is not None else None for key, value in values.items()}
 
 
-def _sliding_window(d: dict, architecture: str) -> int | None:
-    """The window of the layers that attend through one, as transformers reads it: Mistral's
-    ``sliding_window`` (4096 where the key is absent, none where it is null); for Qwen2 and Qwen3
-    the layers ``layer_types`` names "sliding_attention", or, without that list, those from
-    ``max_window_layers`` on where ``use_sliding_window`` is set; Phi-3's ``sliding_window`` (none
-    where absent); Gemma 2's, on every other layer; SmolLM3's, on its unrotated layers where
-    ``use_sliding_window`` is set."""
+def _sliding_window(d: dict, architecture: str) -> dict:
+    """``sliding_window`` and ``window_layers``, as transformers reads them: ``layer_types``
+    (per layer, "sliding_attention" or "full_attention") where config.json lists them (but for
+    Mistral and Phi-3), else each architecture's rule: Mistral's ``sliding_window`` on every layer (4096 where the key is
+    absent, none where it is null); Phi-3's on every layer (none where absent); Qwen2's and
+    Qwen3's on the layers from ``max_window_layers`` on, only where ``use_sliding_window`` is
+    set; Gemma 2's on every other layer, from the first; SmolLM3's on its unrotated layers,
+    where ``use_sliding_window`` is set."""
+    layers = int(d["num_hidden_layers"])
     if architecture == "MistralForCausalLM":
         window = d.get("sliding_window", 4096)
+    elif architecture == "Gemma2ForCausalLM":
+        window = d.get("sliding_window", 4096)
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
     elif architecture == "Phi3ForCausalLM":
         window = d.get("sliding_window")
-    elif architecture == "SmolLM3ForCausalLM":  # the unrotated layers, where use_sliding_window is set
-        layer_types = d.get("layer_types")
-        windowed = not all(_rope_layers(d, architecture)) if layer_types is None else "sliding_attention" in layer_types
-        window = d.get("sliding_window") if d.get("use_sliding_window") and windowed else None
-    elif architecture == "Gemma2ForCausalLM":  # every other layer, unless layer_types says none
-        layer_types = d.get("layer_types")
-        sliding = layer_types is None or "sliding_attention" in layer_types
-        window = d.get("sliding_window", 4096) if sliding else None
-    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        layer_types = d.get("layer_types")
-        if layer_types is not None:
-            sliding = "sliding_attention" in layer_types
-        else:
-            sliding = bool(d.get("use_sliding_window")) and int(d.get("max_window_layers", 28)) < int(
-                d["num_hidden_layers"])
-        window = d.get("sliding_window") if sliding else None
     else:
         window = None
-    return int(window) if window else None
+    if not window:
+        return {"sliding_window": None}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r}: must be a positive whole number of positions or null")
+    # Mistral's and Phi-3's networks window every layer, whatever a config's layer_types say.
+    layer_types = d.get("layer_types") if architecture not in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+    if layer_types is not None:
+        if (not isinstance(layer_types, list) or len(layer_types) != layers
+                or any(t not in ("sliding_attention", "full_attention") for t in layer_types)):
+            raise ValueError(f"layer_types: must be a list of {layers} entries, each 'sliding_attention' or "
+                             "'full_attention'")
+        flags = [t == "sliding_attention" for t in layer_types]
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        flags = [i >= int(d.get("max_window_layers", 28)) for i in range(layers)]
+    elif architecture == "Gemma2ForCausalLM":
+        flags = [i % 2 == 0 for i in range(layers)]
+    elif architecture == "SmolLM3ForCausalLM":
+        flags = [not rotates for rotates in _rope_layers(d, architecture)]
+    else:
+        flags = [True] * layers
+    if not any(flags):
+        return {"sliding_window": None}
+    return {"sliding_window": window, "window_layers": () if all(flags) else tuple(flags)}
 
 
 def _rope(d: dict, max_positions: int, architecture: str) -> tuple[float, dict | None]:

@@ -77,7 +77,7 @@ def load_draft_lm(name_or_path: str | Path, target: LlamaForCausalLM, tokenizer:
 def check_window(draft: DraftLM, needed: int, subject: str) -> None:
     """ValueError unless the draft model's context window holds ``needed`` tokens."""
     if needed > draft.max_len:
-        bound = "sliding_window" if draft.max_len < draft.config.max_position_embeddings else "max_position_embeddings"
+        why = draft.config.context_window_reason() or f"its max_position_embeddings={draft.max_len}"
         raise ValueError(f"{subject} needs {needed} tokens of context (prompt and max_tokens), more than the draft "
-                         f"model {draft.name!r} holds ({bound}={draft.max_len})")
+                         f"model {draft.name!r} holds ({draft.max_len}: {why})")
 

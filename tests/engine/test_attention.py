@@ -50,26 +50,31 @@ def test_devices_without_the_fused_kernel_get_the_reference():
 
 
 
-def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int = 64):
-    """One attention layer; by default four query heads sharing two kv heads of 8 dimensions."""
+def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int = 64, window: int | None = None):
+    """One attention layer; by default four query heads sharing two kv heads of 8 dimensions;
+    ``window``: a sliding window of that many positions."""
     from multispec.models.config import ModelConfig
 
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=heads * head_dim,
                        intermediate_size=8, num_hidden_layers=1, num_attention_heads=heads,
                        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=positions,
                        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
-                       attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_ids=[])
+                       attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_ids=[],
+                       sliding_window=window)
 
 
+@pytest.mark.parametrize("window", [None, 7], ids=["whole", "window"])
 @pytest.mark.parametrize("concat", [False, True], ids=["halves", "concatenated"])
-def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(concat, monkeypatch):
+def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(concat, window, monkeypatch):
     # (a step with scratch positions always takes the portable path)
     """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
     living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
-    drafted nodes its mask names and itself, against attention written out key by key."""
+    drafted nodes its mask names and itself, against attention written out key by key. "window":
+    a sliding window of 7 positions, a row at position p seeing the prompt's and text's keys
+    after p - 7 (a node's position: the prompt, the text and its drafted ancestors before it)."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
-    config = _config()
+    config = _config(window=window)
     gen = torch.Generator().manual_seed(0)
     cache = KVCache(config, 3 * 12 + 5, torch.float32)
     cache.layout(CacheShape(3, 12, 1, 5))
@@ -90,9 +95,12 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(conc
     row = 0
     for b, (slot, w, s, c) in enumerate(zip(slots, written, scratch, counts)):
         for i in range(c):
-            own = list(range(w - s)) + [w - s + j for j in range(s) if sees[b, i, j]] + [w + i]
-            keys = torch.cat([cache.prompt_k[0, 0], cache.sample_k[0, slot][:, own]], 1)    # [kvh, K, D]
-            values = torch.cat([cache.prompt_v[0, 0], cache.sample_v[0, slot][:, own]], 1)
+            position = 5 + w - s + int(sees[b, i].sum())
+            low = 0 if window is None else position - window + 1
+            seen = [t for t in range(5) if t >= low]
+            own = [j for j in range(w - s) if 5 + j >= low] + [w - s + j for j in range(s) if sees[b, i, j]] + [w + i]
+            keys = torch.cat([cache.prompt_k[0, 0][:, seen], cache.sample_k[0, slot][:, own]], 1)    # [kvh, K, D]
+            values = torch.cat([cache.prompt_v[0, 0][:, seen], cache.sample_v[0, slot][:, own]], 1)
             assert torch.equal(cache.sample_k[0, slot][:, w + i], k[row])  # the new keys were written in place
             for h in range(4):
                 weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
@@ -105,16 +113,18 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(conc
 @pytest.mark.parametrize("counts", [[1] * 6, [2, 1, 1, 2, 1, 1]], ids=["plain", "drafted"])
 @pytest.mark.parametrize("compiled", [True, False, "concatenated"], ids=["compiled", "portable", "concatenated"])
 @pytest.mark.parametrize("split", [False, True], ids=["one-part", "split"])
-def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, compiled, split, monkeypatch):
+@pytest.mark.parametrize("window", [None, 5], ids=["whole", "window"])
+def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, compiled, split, window, monkeypatch):
     """Six samples of three prompts of different lengths, grouped in order, interleaved, in groups
     of unequal size and with prompt slots out of order (the prompt half scatters them into one
     padded prompt-major layout): each row attends to its own prompt, its own text and its
     ancestors, against attention written out key by key. "concatenated": the portable path as it
     runs off the CPU (``concat_keys``), each sample's prompt and own keys in one call. "split":
-    the drafted steps in two parts (root rows in place, draft rows gathered)."""
+    the drafted steps in two parts (root rows in place, draft rows gathered). "window": a sliding
+    window of 5 positions: rows see part of their prompt, or none of it, and part of their text."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
-    config = _config()
+    config = _config(window=window)
     gen = torch.Generator().manual_seed(1)
     cache = KVCache(config, 6 * 10 + 3 * 7, torch.float32)
     cache.layout(CacheShape(6, 10, 3, 7))
@@ -135,18 +145,25 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, c
     compiled = compiled is True
     attention = DecodeAttention(cache, layout, split=split, compiled=compiled)
     assert (attention.op is not None) == (compiled and COMPILED)
-    assert all(part.concat == concat for part in attention.parts)
+    assert all(part.concat == concat for part in attention.parts + (attention.window_parts or []))
+    assert (attention.window_parts is not None) == (window is not None)
     out = attention.attend(0, q, k, v)
     row = 0
+    dead = 0  # rows whose window holds none of their prompt
     for b, (slot, w, c) in enumerate(zip(prompt_slots, written, counts)):
         for i in range(c):
-            own = list(range(w + i + 1))
-            keys = torch.cat([cache.prompt_k[0, slot][:, :lengths[slot]], cache.sample_k[0, b][:, own]], 1)
-            values = torch.cat([cache.prompt_v[0, slot][:, :lengths[slot]], cache.sample_v[0, b][:, own]], 1)
+            position = lengths[slot] + w + i
+            low = 0 if window is None else position - window + 1
+            seen = [t for t in range(lengths[slot]) if t >= low]
+            dead += not seen
+            own = [j for j in range(w + i + 1) if lengths[slot] + j >= low]
+            keys = torch.cat([cache.prompt_k[0, slot][:, seen], cache.sample_k[0, b][:, own]], 1)
+            values = torch.cat([cache.prompt_v[0, slot][:, seen], cache.sample_v[0, b][:, own]], 1)
             for h in range(4):
                 weights = torch.softmax(keys[h // 2] @ q[row, h] / 8 ** 0.5, -1)
                 assert torch.allclose(out[row, h], weights @ values[h // 2], atol=1e-5)
             row += 1
+    assert (dead > 0) == (window is not None)  # the window leaves some rows none of their prompt
 
 
 def _has_amx() -> bool:

@@ -76,24 +76,6 @@ def test_qwen3_samples_are_those_of_plain_sampling(qwen3):
     assert [list(c.token_ids) for c in drafted.outputs] == [list(c.token_ids) for c in plain.outputs]
 
 
-def test_a_sliding_window_bounds_the_context(tmp_path):
-    config = transformers.MistralConfig(vocab_size=400, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                        sliding_window=48, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    write_tiny_tokenizer(tmp_path)
-    with pytest.raises(ValueError, match=r"max_model_len=100.*\[2, 48\].*sliding_window=48"):
-        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
-    prompt = list(range(10, 50))  # 40 tokens: room for 8 more within the window
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, ignore_eos=True, seed=0),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 8 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="max_model_len=48"):
-        llm.generate([{"prompt_token_ids": list(range(10, 60))}], SamplingParams(max_tokens=4), use_tqdm=False)
-
-
 def save_phi3(directory):
     """Phi-4-mini's kind of checkpoint, small: three quarters of each head rotated, LongRoPE with
     distinct short and long factors (so sequences stop at the original 64 positions), tied."""
@@ -104,28 +86,40 @@ def save_phi3(directory):
 
 def save_gemma2(directory):
     """Gemma 2's kind of checkpoint, small: caps low enough to act on these scores and logits, an
-    attention scale other than the head width, a window of 48 positions (every other layer)."""
+    attention scale other than the head width, a window of 16 positions (every other layer)."""
     return save_model(directory, "Gemma2", 5, norms=True, sharpen=8, head_dim=16, query_pre_attn_scalar=24,
-                      attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=48, pad_token_id=0)
+                      attn_logit_softcapping=4.0, final_logit_softcapping=3.0, sliding_window=WINDOW, pad_token_id=0)
 
 
 def save_smollm3(directory):
     """SmolLM3's kind of checkpoint, small: the second of two layers unrotated ("NoPE"), with a
-    window of 48 positions on it."""
+    window of 16 positions on it."""
     return save_model(directory, "SmolLM3", 6, sharpen=8, no_rope_layer_interval=2, use_sliding_window=True,
-                      sliding_window=48, pad_token_id=0)
+                      sliding_window=WINDOW, pad_token_id=0)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "gemma2", "smollm3"])
+def save_mistral(directory):
+    """Mistral's kind of checkpoint, small: a window of 16 positions on every layer."""
+    return save_model(directory, "Mistral", 12, sharpen=8, sliding_window=WINDOW, pad_token_id=0)
+
+
+WINDOW = 16
+"""The sliding windows of the checkpoints above: shorter than the prompt below (23 tokens), so
+that the window cuts what the prompt's own rows see and what every generated token sees."""
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "smollm3", "mistral"])
 def test_generates_what_transformers_generates(tmp_path, kind):
-    hf = {"phi3": save_phi3, "gemma2": save_gemma2, "smollm3": save_smollm3}[kind](tmp_path)
-    limit, why = {"phi3": (64, "original_max_position_embeddings=64"), "gemma2": (48, "sliding_window=48"),
-                  "smollm3": (48, "sliding_window=48")}[kind]
-    with pytest.raises(ValueError, match=rf"max_model_len=100.*\[2, {limit}\].*{why}"):
-        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
+    hf = {"phi3": save_phi3, "gemma2": save_gemma2, "smollm3": save_smollm3, "mistral": save_mistral}[kind](tmp_path)
+    if kind == "phi3":
+        with pytest.raises(ValueError, match=r"max_model_len=100.*\[2, 64\].*original_max_position_embeddings=64"):
+            LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100)
+    else:  # a sliding window does not bound the sequence
+        assert LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=100).engine.config.max_model_len == 100
     llm = LLM(str(tmp_path), device="cpu", dtype="float32")
     assert llm.config.architecture == type(hf).__name__
-    prompt = llm.tokenizer.encode("Hello world! The quick brown fox")
+    prompt = llm.tokenizer.encode("The lazy dog jumps over the quick brown fox. Hello world! def f(x): return x")
+    assert len(prompt) > WINDOW
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
                           eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
@@ -142,7 +136,7 @@ def test_generates_what_transformers_generates(tmp_path, kind):
     drafted = llm.generate([{"prompt_token_ids": prompt}], params, spec=spec, use_tqdm=False)[0]
     assert [list(c.token_ids) for c in drafted.outputs] == [want, want]
     assert llm.last_stats.accepted_tokens > 0
-    # The limit bounds the sequence: 4 tokens after a prompt 4 short of it.
-    out = llm.generate([{"prompt_token_ids": list(range(10, 6 + limit))}],
-                       SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    if kind == "phi3":  # the original length bounds the sequence: 4 tokens after a prompt 4 short of it
+        out = llm.generate([{"prompt_token_ids": list(range(10, 70))}],
+                           SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 4 and out.finish_reason == "length"

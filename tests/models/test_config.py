@@ -54,6 +54,12 @@ CASES = {
                               use_sliding_window=True, max_window_layers=1),
     "qwen3-window-past-the-layers": dict(model_type="qwen3", **SMALL, sliding_window=128, use_sliding_window=True,
                                          max_window_layers=1),
+    # Windowed layers named: mixed; named but the window not used.
+    "qwen2-window-listed": dict(model_type="qwen2", **{**SMALL, "num_hidden_layers": 3}, sliding_window=128,
+                                use_sliding_window=True, layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"]),
+    "qwen3-window-listed-unused": dict(model_type="qwen3", **{**SMALL, "num_hidden_layers": 2}, sliding_window=128,
+                                       layer_types=["sliding_attention", "full_attention"]),
     # Phi-3: Phi-3-mini-4k's window; Phi-3-mini-128k's LongRoPE under its first name ("su"), the
     # original length given at the top; Phi-4-mini's partial rotation with LongRoPE; factors that
     # are all the same (no switch past the original length, so no limit there).
@@ -84,6 +90,8 @@ CASES = {
                            mlp_bias=True, rope_theta=5000.0),
     "smollm3-window": dict(model_type="smollm3", pad_token_id=0, **{**SMALL, "num_hidden_layers": 4},
                            use_sliding_window=True, sliding_window=64),
+    "gemma2-window-listed": dict(model_type="gemma2", **{**SMALL, "num_hidden_layers": 3}, sliding_window=32,
+                                 layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     # Granite: its four multipliers (1.0 each where left out), biases.
     "granite-minimal": dict(architectures=["GraniteForCausalLM"], model_type="granite", **SMALL),
     "granite-3": dict(model_type="granite", **SMALL, num_key_value_heads=2, embedding_multiplier=12.0,
@@ -127,11 +135,14 @@ def test_matches_transformers(case):
     assert (ours.qk_norm or ours.qk_norm_whole) == has_norms
     if has_norms:  # per head (Qwen3), or across all heads (OLMo 2)
         assert attn.q_norm.weight.shape[0] == attn.head_dim * (ours.num_attention_heads if ours.qk_norm_whole else 1)
-    layer_types = getattr(hf, "layer_types", None)
-    window = getattr(hf, "sliding_window", None) if layer_types is None or "sliding_attention" in layer_types else None
-    assert ours.sliding_window == window
-    assert ours.context_window == min(ours.max_position_embeddings, window or ours.max_position_embeddings,
-                                      LONGROPE_LIMITS.get(case, ours.max_position_embeddings))
+    # Each layer's window as transformers' network applies it: Mistral's and Phi-3's masks put the
+    # config's on every layer; the others' layers hold their own.
+    if type(model).__name__ in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        windows = [hf.sliding_window] * hf.num_hidden_layers
+    else:
+        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+    assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == windows
+    assert ours.context_window == min(ours.max_position_embeddings, LONGROPE_LIMITS.get(case, ours.max_position_embeddings))
     assert ours.mlp_bias == (gate.bias is not None)
     layer = model.model.layers[0]
     assert ours.hidden_act == (hf.hidden_activation if hasattr(hf, "hidden_activation") else hf.hidden_act)
@@ -201,9 +212,21 @@ def test_bad_rotation_is_named(rope, partial, match):
 
 def test_context_window_says_why():
     assert ModelConfig.from_hf_dict(CASES["phi3-minimal"]).context_window_reason() == ""
-    assert "sliding_window=2047" in ModelConfig.from_hf_dict(CASES["phi3-window"]).context_window_reason()
+    window = ModelConfig.from_hf_dict(CASES["phi3-window"])  # a sliding window does not bound the sequence
+    assert window.context_window_reason() == "" and window.context_window == window.max_position_embeddings
     assert "original_max_position_embeddings=4096" in ModelConfig.from_hf_dict(
         CASES["phi3-su"]).context_window_reason()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types: must be a list of 1"),
+    (dict(layer_types=["chunked_attention"]), "layer_types"),
+    (dict(sliding_window=-4), "sliding_window=-4"),
+    (dict(sliding_window=12.5), "sliding_window=12.5"),
+])
+def test_bad_windows_are_named(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(dict(CASES["gemma2-minimal"], **change))
 
 
 def test_missing_required_key_is_named():
