@@ -8,7 +8,11 @@ Gemma-2-2B (26 layers, hidden 2304, 8 query heads of 256 over 4 KV heads, a 256,
 head, soft-capped scores and logits; its decode steps run layer by layer, the attention through
 the reference kernel, since no fused kernel caps scores), ``--arch olmo2`` OLMo-2-0425-1B (16
 layers, hidden 2048, 16 heads of 128, a 100,352-token untied head; its decode steps run layer by
-layer, its attention through the compiled kernel). The weights are transformers' random
+layer, its attention through the compiled kernel), ``--arch gemma3`` Gemma-3-1B (26 layers,
+hidden 1152, 4 query heads of 256 over one KV head, a 262,144-token tied head, five of every six
+layers windowed to 512 positions and rotated by their own base; its decode steps run layer by layer,
+the attention through the compiled kernel until a sequence passes 512 positions, then the windowed
+layers through the portable attention: ``--prompt-tokens 600`` times that). The weights are transformers' random
 initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
 ``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the
 same number of tokens. tokens/s = generated tokens / wall seconds of the call; medians of
@@ -17,6 +21,9 @@ same number of tokens. tokens/s = generated tokens / wall seconds of the call; m
     .venv/bin/python experiments/architecture_shape.py --arch qwen3 --prompts 4 --n 16 --max-tokens 128 --runs 3
     .venv/bin/python experiments/architecture_shape.py --arch gemma2 --prompts 2 --n 8 --max-tokens 64 --runs 3
     .venv/bin/python experiments/architecture_shape.py --arch olmo2 --prompts 2 --n 8 --max-tokens 64 --runs 3
+    .venv/bin/python experiments/architecture_shape.py --arch gemma3 --prompts 2 --n 8 --max-tokens 64 --runs 3
+    .venv/bin/python experiments/architecture_shape.py --arch gemma3 --prompts 2 --n 8 --max-tokens 64 --runs 3 \
+        --prompt-tokens 600
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ SHAPES = {
         num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256,
         sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, bos_token_id=None,
         eos_token_id=None, pad_token_id=0)),
+    "gemma3": ("Gemma-3-1B", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
+        sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)),
     "olmo2": ("OLMo-2-0425-1B", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
         vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6,

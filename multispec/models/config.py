@@ -86,6 +86,22 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0,
     },
+    "Gemma3ForCausalLM": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
     "Phi3ForCausalLM": {
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096,  # what LongRoPE's short factors were trained for
@@ -97,9 +113,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                              "gemma2": "Gemma2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                              "smollm3": "SmolLM3ForCausalLM",
                               "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
-_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Architectures with Gemma 2's norms around each block (and its attention scale and soft caps)."""
 _BIASED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
            *_GEMMA)
 """Architectures whose ``attention_bias`` puts a bias on q, k, v and o (Qwen2's is always on, without o's)."""
@@ -119,18 +138,21 @@ class ModelConfig:
     ``attention_bias`` means q/k/v projections carry a bias (always for Qwen2; for the others that
     read it it also puts a bias on o_proj, see the checkpoint's tensors).
     ``qk_norm``: each head of q and k is RMS-normalised (its own weight per layer) before the
-    rotation (Qwen3). ``sliding_window``: the number of positions a query sees (itself and those
-    before it) in the layers that use a sliding window (Mistral's default, Qwen's
-    ``use_sliding_window``, Phi-3's, Gemma 2's), None where every layer attends to the whole
-    sequence; ``window_layers``: per layer, whether it is one of those (empty: every layer is,
-    where there is a window). ``partial_rotary_factor``: the share of each head's dimensions
-    that is rotated (the first ``rotary_dim``; Phi-4-mini's 0.75), the rest passes unrotated.
+    rotation (Qwen3; Gemma 3, whose norms all scale by 1 + their weight). ``sliding_window``: the
+    number of positions a query sees (itself and those before it) in the layers that use a sliding
+    window (Mistral's default, Qwen's ``use_sliding_window``, Phi-3's, Gemma 2's and 3's), None
+    where every layer attends to the whole sequence; ``window_layers``: per layer, whether it is
+    one of those (empty: every layer is, where there is a window); ``local_rope_theta``: those
+    layers rotate q and k by plain RoPE of this base, not by ``rope_theta`` and ``rope_scaling``
+    (Gemma 3's local layers); None: every layer rotates alike. ``partial_rotary_factor``: the
+    share of each head's dimensions that is rotated (the first ``rotary_dim``; Phi-4-mini's
+    0.75), the rest passes unrotated.
     ``rope_layers``: per layer, whether it rotates q and k (SmolLM3 leaves every fourth layer
     unrotated, "NoPE"); empty where every layer does.
 
     Gemma: ``hidden_act`` (the MLP's gate activation: Gemma's tanh-approximated GELU),
     ``gemma_norms`` (each RMS norm scales by 1 + its weight, in float32, and the embeddings by sqrt(hidden_size)),
-    ``sandwich_norms`` (Gemma 2: each block's output normalised too, before the residual add, and
+    ``sandwich_norms`` (Gemma 2 and 3: each block's output normalised too, before the residual add, and
     the MLP's input by its own norm), ``query_pre_attn_scalar`` (attention scores scaled by its
     inverse square root, not the head width's), ``attn_logit_softcapping`` and
     ``final_logit_softcapping`` (scores and logits passed through ``cap * tanh(x / cap)``).
@@ -164,6 +186,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None
     partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     gemma_norms: bool = False
@@ -182,9 +205,9 @@ class ModelConfig:
     @property
     def compiled_stack(self) -> bool:
         """Whether the compiled decode layer stack computes this network (SiLU MLPs, plain norms,
-        every layer rotated; the layer-by-layer path computes the rest)."""
+        every layer rotated alike; the layer-by-layer path computes the rest)."""
         return (self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms or self.post_norms)
-                and all(self.rope_layers))
+                and all(self.rope_layers) and self.local_rope_theta is None)
 
     def layer_window(self, layer: int) -> int | None:
         """The number of positions a query of ``layer`` sees (None: the whole sequence)."""
@@ -219,6 +242,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` for anything unsupported."""
+        d = language_model_config(d)
         architecture = _architecture(d)
         defaults = _ARCH_DEFAULTS[architecture]
         missing = [key for key in _REQUIRED if d.get(key) is None]
@@ -229,10 +253,16 @@ class ModelConfig:
         kv_heads = d.get("num_key_value_heads", defaults["num_key_value_heads"])
         max_positions = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
         # Gemma 2 names it hidden_activation; Gemma's hidden_act, where its config leaves it out.
-        activation = d.get("hidden_activation") if architecture == "Gemma2ForCausalLM" else d.get("hidden_act")
+        activation = d.get("hidden_activation") if architecture in _SANDWICH else d.get("hidden_act")
         activation = activation or defaults.get("hidden_act", "silu")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {activation!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        local_rope_theta = None
+        if architecture == "Gemma3ForCausalLM":
+            if d.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention=true: this Gemma 3 attends both ways (an encoder); "
+                                 "multispec runs causal language models")
+            d, local_rope_theta = _gemma3_rope(d)
         rope_theta, rope_scaling = _rope(d, max_positions, architecture)
         head_dim = int(d.get("head_dim") or defaults.get("head_dim") or d["hidden_size"] // heads)
         partial = float(d.get("partial_rotary_factor") or (d.get("rope_parameters") or d.get("rope_scaling") or {}).get(
@@ -262,18 +292,47 @@ class ModelConfig:
             and bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id", defaults["bos_token_id"]),
             eos_token_ids=token_id_list(d.get("eos_token_id", defaults["eos_token_id"])),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             **_sliding_window(d, architecture),
             partial_rotary_factor=partial,
             hidden_act=activation,
             gemma_norms=architecture in _GEMMA,
-            sandwich_norms=architecture == "Gemma2ForCausalLM",
+            sandwich_norms=architecture in _SANDWICH,
+            local_rope_theta=local_rope_theta,
             **_gemma2_scalars(d, architecture),
             rope_layers=_rope_layers(d, architecture),
             post_norms=architecture == "Olmo2ForCausalLM",
             qk_norm_whole=architecture == "Olmo2ForCausalLM",
             **_granite_multipliers(d, architecture),
         )
+
+
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8}
+"""transformers' Gemma3TextConfig defaults for what a multimodal Gemma 3's ``text_config`` leaves out."""
+
+
+def multimodal(d: dict) -> bool:
+    """Whether ``d`` is a multimodal Gemma 3's config (Gemma3ForConditionalGeneration: the 4B model
+    and up), whose language model multispec runs: text in, text out."""
+    names = d.get("architectures") or []
+    return (names[0] if names else d.get("model_type")) in ("Gemma3ForConditionalGeneration", "gemma3")
+
+
+def language_model_config(d: dict) -> dict:
+    """``d`` as its language model's config: a multimodal Gemma 3's ``text_config`` (with
+    transformers' defaults for what it leaves out, and the top level's token ids and tying where
+    it has none); any other config as it is."""
+    if not multimodal(d):
+        return d
+    given = d.get("text_config") or {}
+    if not isinstance(given, dict):
+        raise ValueError("text_config: must be a JSON object")
+    text = {**_GEMMA3_TEXT_DEFAULTS, **given, "architectures": ["Gemma3ForCausalLM"]}
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if key in d and key not in given:
+            text[key] = d[key]
+    return text
 
 
 def _architecture(d: dict) -> str:
@@ -313,7 +372,7 @@ def _granite_multipliers(d: dict, architecture: str) -> dict:
 def _gemma2_scalars(d: dict, architecture: str) -> dict:
     """Gemma 2's attention scale and soft caps, with its defaults where config.json leaves them out
     (a cap given as null is none)."""
-    if architecture != "Gemma2ForCausalLM":
+    if architecture not in _SANDWICH:
         return {}
     defaults = _ARCH_DEFAULTS[architecture]
     return _positive({key: d[key] if key in d else defaults[key]
@@ -335,15 +394,16 @@ def _positive(values: dict, nullable: tuple[str, ...] = ()) -> dict:
 def _sliding_window(d: dict, architecture: str) -> dict:
     """``sliding_window`` and ``window_layers``, as transformers reads them: ``layer_types``
     (per layer, "sliding_attention" or "full_attention") where config.json lists them (but for
-    Mistral and Phi-3), else each architecture's rule: Mistral's ``sliding_window`` on every layer (4096 where the key is
-    absent, none where it is null); Phi-3's on every layer (none where absent); Qwen2's and
-    Qwen3's on the layers from ``max_window_layers`` on, only where ``use_sliding_window`` is
-    set; Gemma 2's on every other layer, from the first; SmolLM3's on its unrotated layers,
-    where ``use_sliding_window`` is set."""
+    Mistral and Phi-3), else each architecture's rule: Mistral's ``sliding_window`` on every
+    layer (4096 where the key is absent, none where it is null); Phi-3's on every layer (none
+    where absent); Qwen2's and Qwen3's on the layers from ``max_window_layers`` on, only where
+    ``use_sliding_window`` is set; Gemma 2's on every other layer, from the first; Gemma 3's on
+    all but every ``sliding_window_pattern``-th (6); SmolLM3's on its unrotated layers, where
+    ``use_sliding_window`` is set."""
     layers = int(d["num_hidden_layers"])
     if architecture == "MistralForCausalLM":
         window = d.get("sliding_window", 4096)
-    elif architecture == "Gemma2ForCausalLM":
+    elif architecture in _SANDWICH:
         window = d.get("sliding_window", 4096)
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
@@ -367,6 +427,11 @@ def _sliding_window(d: dict, architecture: str) -> dict:
         flags = [i >= int(d.get("max_window_layers", 28)) for i in range(layers)]
     elif architecture == "Gemma2ForCausalLM":
         flags = [i % 2 == 0 for i in range(layers)]
+    elif architecture == "Gemma3ForCausalLM":  # all but every sliding_window_pattern-th layer
+        pattern = d.get("sliding_window_pattern") or _ARCH_DEFAULTS[architecture]["sliding_window_pattern"]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern={pattern!r}: must be a positive whole number")
+        flags = [(i + 1) % pattern != 0 for i in range(layers)]
     elif architecture == "SmolLM3ForCausalLM":
         flags = [not rotates for rotates in _rope_layers(d, architecture)]
     else:
@@ -374,6 +439,23 @@ def _sliding_window(d: dict, architecture: str) -> dict:
     if not any(flags):
         return {"sliding_window": None}
     return {"sliding_window": window, "window_layers": () if all(flags) else tuple(flags)}
+
+
+def _gemma3_rope(d: dict) -> tuple[dict, float]:
+    """Gemma 3's two rotations: ``d`` with the full-attention layers' (``rope_theta`` and
+    ``rope_scaling``, or ``rope_parameters["full_attention"]``) as the config's own, and the base of
+    the windowed layers' plain RoPE (``rope_local_base_freq``, or
+    ``rope_parameters["sliding_attention"]``)."""
+    params = d.get("rope_parameters")
+    local = d.get("rope_local_base_freq") or _ARCH_DEFAULTS["Gemma3ForCausalLM"]["rope_local_base_freq"]
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters['sliding_attention']: RoPE type {sliding['rope_type']!r} on the "
+                             "windowed layers is not supported (plain RoPE is)")
+        local = sliding.get("rope_theta") or local
+        d = {**d, "rope_parameters": params.get("full_attention") or {}}
+    return d, float(_positive({"rope_local_base_freq": local})["rope_local_base_freq"])
 
 
 def _rope(d: dict, max_positions: int, architecture: str) -> tuple[float, dict | None]:

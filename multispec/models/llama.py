@@ -16,6 +16,7 @@ reference it is tested against and the path for prefill, other devices and other
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -189,9 +190,9 @@ class SelfAttention(nn.Module):
         # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        # Qwen3: each head of q and k RMS-normalised before the rotation.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3 and Gemma 3: each head of q and k RMS-normalised before the rotation.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma_norms) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma_norms) if config.qk_norm else None
         # OLMo 2: q and k each normalised across all their heads at once.
         self.whole_norms = config.qk_norm_whole
         if self.whole_norms:
@@ -418,14 +419,18 @@ def network_layout(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dic
         q_factor = config.attention_multiplier * config.head_dim ** 0.5
     elif config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
         q_factor = (config.head_dim / config.query_pre_attn_scalar) ** 0.5
-    factors = {".self_attn.q_proj.": q_factor, ".self_attn.o_proj.": config.residual_multiplier,
+    # Where q is normalised after its product (Gemma 3), its norm's weight carries the scale.
+    q_part = ".self_attn.q_norm." if config.qk_norm else ".self_attn.q_proj."
+    factors = {q_part: q_factor, ".self_attn.o_proj.": config.residual_multiplier,
                ".mlp.down_proj.": config.residual_multiplier}
     for part, factor in factors.items():
-        # The attention scales scores by head_dim ** -0.5: q (linear in the weights, and the
-        # rotation linear in q) carries any other scale (Gemma 2's, Granite's); each block's last
-        # product carries Granite's residual multiplier.
+        # The attention scales scores by head_dim ** -0.5: q (linear in the weights or its norm's
+        # weight, and the rotation linear in q) carries any other scale (Gemma 2's and 3's,
+        # Granite's); each block's last product carries Granite's residual multiplier. A Gemma
+        # norm scales by 1 + its weight: that sum carries the factor.
+        shift = 1.0 if config.gemma_norms and part == ".self_attn.q_norm." else 0.0
         if factor != 1.0:
-            out = {name: (tensor.float() * factor).to(tensor.dtype) if part in name else tensor
+            out = {name: ((tensor.float() + shift) * factor - shift).to(tensor.dtype) if part in name else tensor
                    for name, tensor in out.items()}
     order = rotary_order(config.head_dim, config.rotary_dim)
     if order is None:
@@ -449,7 +454,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope_len = 0
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: tuple[torch.Tensor, ...] | None = None
         self.head: Projection | None = None
         self.packed = False
         self.compiled_layers = True
@@ -463,23 +468,30 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
-    def rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, max_position), grown on demand and kept between forwards."""
+    def rope_tables(self, max_position: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, max_position), grown on demand and kept between forwards;
+        ``local``: those of the windowed layers' own rotation (``ModelConfig.local_rope_theta``)."""
         if self._rope_cache is None or max_position > self._rope_len:
             length = max(max_position, 2 * self._rope_len, 1024)
-            inv_freq, scale = rope_inv_freq(self.config, length)
-            angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-            # Dimensions past the rotated ones (partial rotary, laid out by ``rotary_order``) pass
-            # unchanged: cos 1 and sin 0, unscaled.
-            half = self.config.head_dim // 2
-            cos, sin = torch.ones(length, half), torch.zeros(length, half)
-            cos[:, : inv_freq.numel()], sin[:, : inv_freq.numel()] = angles.cos() * scale, angles.sin() * scale
-            dtype = self.model.embed_tokens.weight.dtype
-            device = self.model.embed_tokens.weight.device
-            self._rope_cache = (torch.cat((cos, cos), dim=-1).to(device, dtype),
-                                torch.cat((sin, sin), dim=-1).to(device, dtype))
+            config = self.config
+            self._rope_cache = self._rope_table(config, length)
+            if config.local_rope_theta is not None:
+                self._rope_cache += self._rope_table(replace(config, rope_theta=config.local_rope_theta,
+                                                             rope_scaling=None), length)
             self._rope_len = length
-        return self._rope_cache
+        return self._rope_cache[2:] if local else self._rope_cache[:2]
+
+    def _rope_table(self, config: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = rope_inv_freq(config, length)
+        angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+        # Dimensions past the rotated ones (partial rotary, laid out by ``rotary_order``) pass
+        # unchanged: cos 1 and sin 0, unscaled.
+        half = config.head_dim // 2
+        cos, sin = torch.ones(length, half), torch.zeros(length, half)
+        cos[:, : inv_freq.numel()], sin[:, : inv_freq.numel()] = angles.cos() * scale, angles.sin() * scale
+        dtype = self.model.embed_tokens.weight.dtype
+        device = self.model.embed_tokens.weight.device
+        return torch.cat((cos, cos), dim=-1).to(device, dtype), torch.cat((sin, sin), dim=-1).to(device, dtype)
 
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
@@ -489,7 +501,14 @@ class LlamaForCausalLM(nn.Module):
         if stack is not None:
             op, weights, args = stack
             return op(x, cos, sin, *weights, *args)
-        for layer in self.model.layers:
+        rotations = [(cos, sin)] * len(self.model.layers)
+        config = self.config
+        if config.local_rope_theta is not None:  # Gemma 3: the windowed layers rotate by their own base
+            local_cos, local_sin = self.rope_tables(int(positions.max()) + 1, local=True)
+            local = (local_cos[positions], local_sin[positions])
+            rotations = [local if config.layer_window(i) is not None else rotation
+                         for i, rotation in enumerate(rotations)]
+        for layer, (cos, sin) in zip(self.model.layers, rotations):
             x = layer(x, cos, sin, attention)
         return self.model.norm(x)
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, read_json_object
+from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, multimodal, read_json_object
 from multispec.models.tokenizer import Tokenizer
 
 _GGUF_MAGIC = b"GGUF"
@@ -104,18 +105,37 @@ def _load_hf_dir(path: Path) -> Checkpoint:
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.json; not a Hugging Face checkpoint directory")
     try:
-        config = ModelConfig.from_hf_dict(json.loads(config_file.read_text(encoding="utf-8")))
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"malformed JSON in {config_file}: {exc}") from None
+    config = ModelConfig.from_hf_dict(raw)
 
     tensors: dict[str, torch.Tensor] = {}
     for weights_file in _weight_files(path):
-        tensors.update(load_file(weights_file))
+        if not multimodal(raw):
+            tensors.update(load_file(weights_file))
+            continue
+        with safe_open(weights_file, framework="pt") as handle:  # the language model's tensors only
+            for key in handle.keys():
+                name = _language_model_name(key)
+                if name is not None:
+                    tensors[name] = handle.get_tensor(key)
     # Old checkpoints store RoPE buffers, and some store the tied head twice; neither is a parameter.
     tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     return Checkpoint(config=config, tensors=tensors, tokenizer=Tokenizer.from_dir(path), path=path)
+
+
+def _language_model_name(name: str) -> str | None:
+    """A multimodal Gemma 3 tensor's name in its language model (``language_model.model.*`` as
+    its checkpoints store it, or ``model.language_model.*`` as transformers v5 names it), or None
+    for the vision tower's and the projector's."""
+    for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -203,8 +223,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         config_dict["head_dim"] = head_dim
     if model_type == "phi3":
         config_dict.update(_gguf_phi3_rope_and_window(reader, config_dict))
-    if model_type == "gemma2":
-        config_dict.update(_gguf_gemma2_scalars(fields, config_dict))
+    if model_type in ("gemma2", "gemma3_text"):
+        config_dict.update(_gguf_gemma_scalars(fields, config_dict))
+    if model_type == "gemma3_text":
+        config_dict.update(_gguf_gemma3_rope_and_window(fields))
     config = AutoConfig.for_model(**config_dict)
     config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
 
@@ -271,18 +293,51 @@ def _gguf_phi3_rope_and_window(reader, config: dict) -> dict:
     return out
 
 
-def _gguf_gemma2_scalars(fields: dict, config: dict) -> dict:
-    """Gemma 2's soft caps as the file gives them, and its attention scale as llama.cpp derives it
-    (the file does not hold it: hidden / heads for the 46-layer 27B model, else the head width),
-    which transformers' converter leaves at its defaults (wrong for the 27B model)."""
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The layer count by which llama.cpp knows the 27B models, whose attention scale it derives
+from hidden / heads rather than the head width."""
+
+
+def _gguf_gemma_scalars(fields: dict, config: dict) -> dict:
+    """Gemma 2's and 3's soft caps as the file gives them, and their attention scale as llama.cpp
+    derives it (the file does not hold it: hidden / heads for the 27B models, else the head
+    width), which transformers' converter leaves at its defaults (wrong for the 27B models)."""
+    arch = fields["general.architecture"].contents()
     out = {}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        field = fields.get(f"gemma2.{key}")
+        field = fields.get(f"{arch}.{key}")
         if field is not None:
             out[key] = float(field.contents())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    out["query_pre_attn_scalar"] = config["hidden_size"] // heads if config["num_hidden_layers"] == 46 else head_dim
+    is_27b = config["num_hidden_layers"] == _GGUF_GEMMA_27B_LAYERS[arch]
+    out["query_pre_attn_scalar"] = config["hidden_size"] // heads if is_27b else head_dim
+    return out
+
+
+def _gguf_gemma3_rope_and_window(fields: dict) -> dict:
+    """What a Gemma 3 GGUF says of its rotations and windowed layers that transformers' converter
+    drops: the full layers' scaling (``gemma3.rope.scaling.type``/``factor``: linear, 8 for the 4B
+    model and up), the windowed layers' base (``rope.freq_base_swa``, 10,000 where absent, as
+    llama.cpp takes it) and which layers are windowed (``attention.sliding_window_pattern``, a
+    period or a flag per layer; every sixth layer full where absent)."""
+    def value(key: str):
+        field = fields.get(f"gemma3.{key}")
+        return field.contents() if field is not None else None
+
+    out = {}
+    kind, factor = value("rope.scaling.type"), value("rope.scaling.factor")
+    if kind not in (None, "none") and factor is not None and float(factor) != 1.0:
+        if kind != "linear":
+            raise ValueError(f"gemma3.rope.scaling.type={kind!r}: only linear scaling is supported for Gemma 3")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    if value("rope.freq_base_swa") is not None:
+        out["rope_local_base_freq"] = float(value("rope.freq_base_swa"))
+    pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    elif pattern is not None:
+        out["sliding_window_pattern"] = int(pattern)
     return out
 
 

@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
-from multispec.models.config import read_json_object, token_id_list
+from multispec.models.config import language_model_config, read_json_object, token_id_list
 
 # The named special tokens a chat template can refer to, as transformers exposes them.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -85,7 +85,7 @@ class Tokenizer:
             )
 
         eos_ids = token_id_list(read_json_object(path / "generation_config.json").get("eos_token_id"))
-        eos_ids += token_id_list(read_json_object(path / "config.json").get("eos_token_id"))
+        eos_ids += token_id_list(language_model_config(read_json_object(path / "config.json")).get("eos_token_id"))
         tokenizer = cls(backend, special_tokens, _chat_template(path, config), eos_ids)
         if isinstance(config.get("tokenizer_class"), str):
             tokenizer.tokenizer_class = config["tokenizer_class"]

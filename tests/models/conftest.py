@@ -96,7 +96,7 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     stem, kind = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NORMS} if arch == "gemma2" else _GGUF_LAYER_NAMES
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NORMS} if arch in ("gemma2", "gemma3") else _GGUF_LAYER_NAMES
         return f"blk.{layer}.{names[rest]}.{kind}"
     return f"{_GGUF_NAMES[stem]}.{kind}"
 
@@ -124,7 +124,8 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
     if getattr(config, "head_dim", None):  # as llama.cpp writes it, where heads are not hidden / heads wide
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -132,6 +133,11 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":  # the window and the full layers' scaling; llama.cpp takes the rest as Gemma 3's
+        writer.add_sliding_window(config.sliding_window)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 model's rotation and window
         head_dim = config.hidden_size // config.num_attention_heads
         rope = config.rope_parameters
@@ -161,7 +167,7 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
             tensor = _interleave_rotary_halves(tensor, config.num_attention_heads)
         if arch == "llama" and ".k_proj." in name:
             tensor = _interleave_rotary_halves(tensor, config.num_key_value_heads)
-        if arch == "gemma2" and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # llama.cpp stores 1 + weight
             tensor = tensor + 1
         writer.add_tensor(_gguf_name(name, arch), tensor.float().numpy())
     writer.write_header_to_file()

@@ -83,6 +83,20 @@ CASES = {
     "gemma2-27b-like": dict(model_type="gemma2", **SMALL, head_dim=16, query_pre_attn_scalar=24,
                             layer_types=["full_attention"], attn_logit_softcapping=None,
                             final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 3: 1B's kind (five windowed layers to one full, a local rotation of base 10,000), 4B's
+    # (a linear scaling on the full layers only), the rotations written per layer type as
+    # transformers v5 writes them, and 27B's attention scale.
+    "gemma3-1b-like": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                           **{**SMALL, "num_hidden_layers": 7}, head_dim=32, sliding_window=512,
+                           rope_theta=1000000.0, rope_local_base_freq=10000.0, eos_token_id=[1, 106]),
+    "gemma3-4b-like": dict(model_type="gemma3_text", **{**SMALL, "num_hidden_layers": 6}, sliding_window=1024,
+                           rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=3),
+    "gemma3-listed": dict(model_type="gemma3_text", **{**SMALL, "num_hidden_layers": 3}, sliding_window=16,
+                          layer_types=["full_attention", "sliding_attention", "full_attention"],
+                          rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}),
+    "gemma3-27b-like": dict(model_type="gemma3_text", **SMALL, head_dim=16, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=None, final_logit_softcapping=None),
     # SmolLM3: every fourth layer unrotated, or the layers its list names; a window on those.
     "smollm3-minimal": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", pad_token_id=0,
                             **{**SMALL, "num_hidden_layers": 8}),
@@ -142,7 +156,7 @@ def test_matches_transformers(case):
     else:
         windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
     assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == windows
-    assert ours.context_window == min(ours.max_position_embeddings, LONGROPE_LIMITS.get(case, ours.max_position_embeddings))
+    assert ours.context_window == LONGROPE_LIMITS.get(case, ours.max_position_embeddings)
     assert ours.mlp_bias == (gate.bias is not None)
     layer = model.model.layers[0]
     assert ours.hidden_act == (hf.hidden_activation if hasattr(hf, "hidden_activation") else hf.hidden_act)
@@ -159,6 +173,14 @@ def test_matches_transformers(case):
     assert ours.eos_token_ids == token_id_list(hf.eos_token_id)
 
     rope = dict(hf.rope_parameters)
+    if "full_attention" in rope:  # Gemma 3: the windowed layers' rotation, and the others'
+        assert rope["sliding_attention"]["rope_type"] == "default"
+        assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
+        rope = dict(rope["full_attention"])
+    else:
+        assert ours.local_rope_theta is None
+    if ours.qk_norm:  # Gemma 3's scale by 1 + weight, as its other norms; Qwen3's by the weight
+        assert type(attn.q_norm).__name__.startswith("Gemma") == ours.gemma_norms
     assert ours.rope_theta == rope.pop("rope_theta")
     assert ours.partial_rotary_factor == rope.pop("partial_rotary_factor", 1.0)
     rope.pop("type", None)
@@ -179,8 +201,13 @@ def test_round_trips_through_transformers_serialisation():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelConfig.from_hf_dict(dict(architectures=["GPT2LMHeadModel"], **SMALL))
-    with pytest.raises(ValueError, match="gemma3_text"):
-        ModelConfig.from_hf_dict(dict(model_type="gemma3_text", **SMALL))
+    with pytest.raises(ValueError, match="gemma4_text"):
+        ModelConfig.from_hf_dict(dict(model_type="gemma4_text", **SMALL))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict(dict(CASES["gemma3-1b-like"], use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="sliding_attention.*'linear'"):
+        ModelConfig.from_hf_dict(dict(CASES["gemma3-1b-like"], rope_parameters={
+            "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}))
 
 
 def test_unsupported_rope_type_is_named():
@@ -234,3 +261,21 @@ def test_missing_required_key_is_named():
     del d["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_a_multimodal_gemma3_is_read_as_its_language_model():
+    """Gemma 3 4B's config.json as published: a text_config that leaves most keys to transformers'
+    defaults (the vocabulary, the heads), read as transformers reads its text model's."""
+    d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+         "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                         "sliding_window": 1024},
+         "vision_config": {"model_type": "siglip_vision_model"}}
+    ours = ModelConfig.from_hf_dict(d)
+    text = transformers.AutoConfig.for_model(**d).text_config
+    assert ours == ModelConfig.from_hf_dict({**text.to_dict(), "architectures": ["Gemma3ForCausalLM"],
+                                             "eos_token_id": [1, 106]})
+    assert (ours.vocab_size, ours.num_attention_heads, ours.head_dim, ours.eos_token_ids) == (262208, 8, 256, [1, 106])
+    assert ours.window_layers == tuple((i + 1) % 6 != 0 for i in range(34)) and ours.local_rope_theta == 10000.0
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_hf_dict(dict(d, text_config=[1]))

@@ -124,6 +124,20 @@ def test_gemma2_gguf_keeps_its_caps(tmp_path):
     assert (got.attn_logit_softcapping, got.final_logit_softcapping) == (20.0, 10.0)
 
 
+def test_gemma3_gguf_keeps_its_rotations_and_windows(tmp_path):
+    """A Gemma 3 GGUF: its norms (q and k's too) come back as the checkpoint's, and the full
+    layers' linear scaling, which transformers' converter drops, with the windowed layers and
+    their own base as llama.cpp takes them (every sixth layer full, base 10,000)."""
+    checkpoint, hf, _ = gguf_round_trip(tmp_path, "gemma3", tie=True)
+    assert_tensors_match_transformers(checkpoint, hf)
+    got, want = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
+    for field in ("architecture", "head_dim", "qk_norm", "gemma_norms", "sandwich_norms", "query_pre_attn_scalar",
+                  "attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "window_layers",
+                  "rope_theta", "rope_scaling", "local_rope_theta", "tie_word_embeddings"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.rope_scaling == {"rope_type": "linear", "factor": 8.0} and got.window_layers == (True,) * 5 + (False,)
+
+
 def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
     """Where transformers' GGUF tokenizer names another EOS token than the file does (5.17 named
     a Llama file's BOS), the file's ``tokenizer.ggml.eos_token_id`` wins: it decides where
@@ -213,6 +227,10 @@ def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **common, head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
             sliding_window=100, pad_token_id=0))
+    elif kind == "gemma3":  # Gemma 3 4B's kind: every sixth layer full, scaled by 8; q/k norms
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6}, head_dim=16, query_pre_attn_scalar=16, sliding_window=100,
+            rope_scaling={"rope_type": "linear", "factor": 8.0}, pad_token_id=0))
     elif kind == "phi3":  # half of each head rotated, LongRoPE and a window, as Phi-3.5 and Phi-4-mini have
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                 "short_factor": [1.0, 1.25], "long_factor": [2.0, 3.5]}

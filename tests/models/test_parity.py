@@ -1,11 +1,12 @@
 """The network equals transformers' own model on the same weights, in prefill and through the cache.
 
-Checked on tiny random Llama, Qwen2, Qwen3, SmolLM3, Granite, OLMo 2, Phi-3, Gemma and Gemma 2
-checkpoints (GQA, biases, tied and untied heads, rope scaling, Qwen3's per-head q/k norms and
+Checked on tiny random Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, OLMo 2, Phi-3, Gemma,
+Gemma 2 and Gemma 3 checkpoints (GQA, biases, tied and untied heads, rope scaling, Qwen3's per-head q/k norms and
 heads wider than hidden / heads, SmolLM3's unrotated layers, Granite's multipliers, OLMo 2's
 output norms and whole q/k norms, Phi-3's fused
 products, LongRoPE and partial rotation, Gemma's norms, activation and scaled embeddings, Gemma
-2's sandwich norms, soft caps and attention scale) and on the real default model. Tolerance: max
+2's sandwich norms, soft caps and attention scale, sliding windows shorter than the prompt, Gemma
+3's q/k norms and two rotations) and on the real default model. Tolerance: max
 abs diff 1e-3 on fp32 logits; a wrong rope, mask or cache index moves logits by far more.
 """
 
@@ -33,9 +34,10 @@ def tiny(kind: str, **overrides):
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
         like_trained(hf, norms=True)  # or a q/k norm left out would go unnoticed
-    elif kind in ("gemma", "gemma2"):
+    elif kind in ("gemma", "gemma2", "gemma3"):
         config_class, model_class = {"gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-                                     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
+                                     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+                                     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[kind]
         hf = model_class(config_class(**common, pad_token_id=0)).eval()
         like_trained(hf, norms=True, sharpen=8)  # so that the attention's scale and cap matter
     elif kind == "olmo2":
@@ -47,6 +49,9 @@ def tiny(kind: str, **overrides):
     elif kind == "smollm3":
         hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**common, pad_token_id=0)).eval()
         like_trained(hf, sharpen=8)  # a rotation where there is none must show
+    elif kind == "mistral":
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(**common)).eval()
+        like_trained(hf, sharpen=8)  # so that the keys the window drops matter
     elif kind == "phi3":
         hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
         like_trained(hf, sharpen=8)  # a wrong rotation or scale of a few dimensions must show
@@ -92,6 +97,14 @@ CASES = {
     "gemma2": ("gemma2", dict(head_dim=32)),
     "gemma2-caps-scale": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
                                          final_logit_softcapping=2.0)),
+    # Sliding windows shorter than the 60-token prompt: Gemma 2's on its first layer; Gemma 3's on
+    # its first (q/k norms, the windowed layer rotating by its own base, the other by a scaled
+    # rotation of another base).
+    "gemma2-window": ("gemma2", dict(head_dim=16, sliding_window=24)),
+    "gemma3": ("gemma3", dict(head_dim=32, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                              rope_theta=5000.0, rope_local_base_freq=100.0,
+                              rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "mistral-window": ("mistral", dict(sliding_window=24)),
     "phi4-mini-partial": ("phi3", dict(tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=250000.0,
                                        original_max_position_embeddings=96, rope_scaling={
                                            "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0],
