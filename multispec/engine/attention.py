@@ -193,7 +193,8 @@ class DecodeAttention:
                         _Part(cache, layout, offsets, drafting, 1, self.qmax - 1, False, window)]
             return [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, in_place, window)]
 
-        if self.op is None:
+        every_layer = not cache.config.window_layers  # windowed, where there is a window
+        if self.op is None and not (windowed and every_layer):
             self.parts = parts(None)
         if windowed:
             self.window_parts = parts(window)
@@ -376,19 +377,14 @@ class _Part:
         """Each member's rows' view of its prompt ``visible [P, G*W, plen]`` laid out as the
         prompt half lays out its queries: [1, members * G*W, plen] for one prompt, [P, G*W, plen]
         for one member per prompt, else [prompts, group size * G*W, plen] (a padding member sees
-        its prompt's keys)."""
+        every key read, zeros or keys: a finite softmax)."""
         if self.single:
             return visible.reshape(1, -1, visible.shape[-1])
         if self.one_each:
             return visible
         rows = visible.shape[1]
-        grouped = torch.zeros(self.num_groups, self.group_size, rows, visible.shape[-1], dtype=torch.bool)
+        grouped = torch.ones(self.num_groups, self.group_size, rows, visible.shape[-1], dtype=torch.bool)
         grouped[self.sample_group, self.sample_member] = visible
-        for g in range(self.num_groups):  # padding members: every key of the prompt (a finite softmax)
-            taken = self.sample_member[self.sample_group == g]
-            free = torch.ones(self.group_size, dtype=torch.bool)
-            free[taken] = False
-            grouped[g, free] = visible[self.sample_group == g][0]
         return grouped.reshape(self.num_groups, self.group_size * rows, -1)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
