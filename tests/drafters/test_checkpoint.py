@@ -93,6 +93,25 @@ def test_a_draft_identical_to_the_target_drafts_its_distributions(setup, monkeyp
     assert stats.draft_forwards <= 3 * stats.decode_forwards
 
 
+def test_a_windowed_draft_identical_to_the_target_drafts_its_distributions(setup, tmp_path, monkeypatch):
+    """The same, with a sliding window of 16 positions on every layer (the successor model as
+    Mistral): past the window the draft's rows at each depth (its scratch positions) see the keys
+    the target's tree rows see, or its q would part from the target's law."""
+    _, target, _, prompt = setup
+    windowed = tmp_path / "windowed"
+    shutil.copytree(target, windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
+    (windowed / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(windowed), device="cpu", dtype="float32")
+    assert llm.config.layer_window(0) == 16 and len(prompt) > 16
+    spy = _Spy(monkeypatch)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=60, ignore_eos=True, seed=3)
+    outs = llm.generate([prompt], params, spec(windowed, num_candidates=2, max_draft_tokens=3), use_tqdm=False)
+    assert [len(c.token_ids) for c in outs[0].outputs] == [60] * 4
+    assert spy.nodes > 100 and spy.worst < 1e-5
+
+
 def test_two_candidates_keep_the_two_token_law(setup):
     """Chi-square of 6,000 samples' first two tokens against their exact law, three candidates
     drawn without replacement from a draft model with other logits, two deep. Cells: every pair
