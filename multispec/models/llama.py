@@ -494,7 +494,8 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat((cos, cos), dim=-1).to(device, dtype), torch.cat((sin, sin), dim=-1).to(device, dtype)
 
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
+        end = int(positions.max()) + 1
+        cos_table, sin_table = self.rope_tables(end)
         cos, sin = cos_table[positions], sin_table[positions]
         x = self.model.embed(token_ids)
         stack = self._compiled_stack(attention, x.shape[0])
@@ -504,7 +505,7 @@ class LlamaForCausalLM(nn.Module):
         rotations = [(cos, sin)] * len(self.model.layers)
         config = self.config
         if config.local_rope_theta is not None:  # Gemma 3: the windowed layers rotate by their own base
-            local_cos, local_sin = self.rope_tables(int(positions.max()) + 1, local=True)
+            local_cos, local_sin = self.rope_tables(end, local=True)
             local = (local_cos[positions], local_sin[positions])
             rotations = [local if config.layer_window(i) is not None else rotation
                          for i, rotation in enumerate(rotations)]
