@@ -1,7 +1,6 @@
 """Load a checkpoint (config, tensors, tokenizer) from a Hugging Face directory or a GGUF file.
 
-A GGUF file is converted once, with transformers' own GGUF reader (it dequantises and
-undoes llama.cpp's q/k row permutation), into an ordinary Hugging Face directory in a
+A GGUF file is converted once (``gguf_files``) into an ordinary Hugging Face directory in a
 cache; every later load reads that directory. transformers is imported only for the
 conversion, so a cached load costs little more than importing torch.
 """
@@ -18,9 +17,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from multispec.models.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, multimodal, read_json_object
+from multispec.models.config import ModelConfig, multimodal, read_json_object
+from multispec.models.gguf_files import convert_gguf as _convert_gguf
 from multispec.models.tokenizer import Tokenizer
 
 _GGUF_MAGIC = b"GGUF"
@@ -199,164 +199,3 @@ def _remove_stale_conversions(root: Path, gguf: Path, keep: Path) -> None:
             continue
         if json.loads(source.read_text(encoding="utf-8")).get("gguf") == str(gguf):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Write ``gguf`` as config.json + model.safetensors (float32) + tokenizer files into ``out``.
-
-    Float32 because the dequantised values (scale * q + min, per block) are not exactly
-    representable in 16 bits; the loader can still cast when building the network.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config_dict = load_gguf_checkpoint(str(gguf))["config"]
-    model_type = config_dict.get("model_type")
-    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
-        raise ValueError(f"unsupported architecture {model_type!r}")
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)  # for the metadata transformers' reader leaves out or gets wrong
-    fields = reader.fields
-    head_dim = _gguf_head_dim(fields)
-    if head_dim is not None:
-        config_dict["head_dim"] = head_dim
-    if model_type == "phi3":
-        config_dict.update(_gguf_phi3_rope_and_window(reader, config_dict))
-    if model_type in ("gemma2", "gemma3_text"):
-        config_dict.update(_gguf_gemma_scalars(fields, config_dict))
-    if model_type == "gemma3_text":
-        config_dict.update(_gguf_gemma3_rope_and_window(fields))
-    config = AutoConfig.for_model(**config_dict)
-    config.architectures = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
-
-    # The reader maps GGUF tensor names onto a model's parameter names, so it needs a
-    # model; one on the meta device costs no memory.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise ValueError(f"tensors missing: {', '.join(missing[:5])}")
-
-    config.save_pretrained(out)
-    save_file({name: tensors[name].float().contiguous() for name in sorted(expected)},
-              out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
-    tokenizer.save_pretrained(out, save_jinja_files=False)
-    _eos_token_from_gguf(fields, out / "tokenizer_config.json")
-
-
-def _gguf_head_dim(fields: dict) -> int | None:
-    """The width of an attention head where the file gives one (llama.cpp's
-    ``<arch>.attention.key_length``). transformers' converter does not read it for every
-    architecture and falls back to hidden / heads, or to Qwen3's default of 128, which is wrong for
-    a model whose heads are of another width."""
-    arch = fields.get("general.architecture")
-    length = fields.get(f"{arch.contents()}.attention.key_length") if arch is not None else None
-    return int(length.contents()) if length is not None else None
-
-
-def _gguf_phi3_rope_and_window(reader, config: dict) -> dict:
-    """What a Phi-3 GGUF says of its rotation and window that transformers' converter drops: the
-    rotated share of each head (``phi3.rope.dimension_count``, Phi-4-mini's 96 of 128), LongRoPE's
-    factors (llama.cpp keeps them as the tensors ``rope_factors_short``/``rope_factors_long``,
-    with ``phi3.rope.scaling.original_context_length`` and ``attn_factor``) and the sliding window
-    (0: none). Left out, the model would be converted into another one."""
-    fields = reader.fields
-
-    def value(key: str):
-        field = fields.get(f"phi3.{key}")
-        return field.contents() if field is not None else None
-
-    out = {}
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    rotated = value("rope.dimension_count")
-    if rotated is not None and int(rotated) != head_dim:
-        out["partial_rotary_factor"] = int(rotated) / head_dim
-    if value("attention.sliding_window"):
-        out["sliding_window"] = int(value("attention.sliding_window"))
-    factors = {t.name: [float(f) for f in t.data] for t in reader.tensors
-               if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
-    if factors:
-        if len(factors) != 2 or value("rope.scaling.original_context_length") is None:
-            raise ValueError("LongRoPE needs rope_factors_short, rope_factors_long and "
-                             "phi3.rope.scaling.original_context_length")
-        out["original_max_position_embeddings"] = int(value("rope.scaling.original_context_length"))
-        out["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
-                               "long_factor": factors["rope_factors_long.weight"],
-                               "rope_theta": config.get("rope_theta", 10000.0)}
-        if value("rope.scaling.attn_factor") is not None:
-            out["rope_scaling"]["attention_factor"] = float(value("rope.scaling.attn_factor"))
-    return out
-
-
-_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-"""The layer count by which llama.cpp knows the 27B models, whose attention scale it derives
-from hidden / heads rather than the head width."""
-
-
-def _gguf_gemma_scalars(fields: dict, config: dict) -> dict:
-    """Gemma 2's and 3's soft caps as the file gives them, and their attention scale as llama.cpp
-    derives it (the file does not hold it: hidden / heads for the 27B models, else the head
-    width), which transformers' converter leaves at its defaults (wrong for the 27B models)."""
-    arch = fields["general.architecture"].contents()
-    out = {}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        field = fields.get(f"{arch}.{key}")
-        if field is not None:
-            out[key] = float(field.contents())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    is_27b = config["num_hidden_layers"] == _GGUF_GEMMA_27B_LAYERS[arch]
-    out["query_pre_attn_scalar"] = config["hidden_size"] // heads if is_27b else head_dim
-    return out
-
-
-def _gguf_gemma3_rope_and_window(fields: dict) -> dict:
-    """What a Gemma 3 GGUF says of its rotations and windowed layers that transformers' converter
-    drops: the full layers' scaling (``gemma3.rope.scaling.type``/``factor``: linear, 8 for the 4B
-    model and up), the windowed layers' base (``rope.freq_base_swa``, 10,000 where absent, as
-    llama.cpp takes it) and which layers are windowed (``attention.sliding_window_pattern``, a
-    period or a flag per layer; every sixth layer full where absent)."""
-    def value(key: str):
-        field = fields.get(f"gemma3.{key}")
-        return field.contents() if field is not None else None
-
-    out = {}
-    kind, factor = value("rope.scaling.type"), value("rope.scaling.factor")
-    if kind not in (None, "none") and factor is not None and float(factor) != 1.0:
-        if kind != "linear":
-            raise ValueError(f"gemma3.rope.scaling.type={kind!r}: only linear scaling is supported for Gemma 3")
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    if value("rope.freq_base_swa") is not None:
-        out["rope_local_base_freq"] = float(value("rope.freq_base_swa"))
-    pattern = value("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
-    elif pattern is not None:
-        out["sliding_window_pattern"] = int(pattern)
-    return out
-
-
-def _eos_token_from_gguf(fields: dict, tokenizer_config: Path) -> None:
-    """Name the EOS token in ``tokenizer_config`` as the GGUF's own metadata does.
-
-    The EOS token decides where generation stops, and transformers' GGUF tokenizer has not always
-    carried it over (5.17 wrote a Llama GGUF's BOS token as its EOS), so the file's
-    ``tokenizer.ggml.eos_token_id`` is authoritative. The BOS stays as transformers reads it: its
-    converter drops the BOS that llama.cpp's files name for models that have none (Qwen2)."""
-    tokens = fields.get("tokenizer.ggml.tokens")
-    field = fields.get("tokenizer.ggml.eos_token_id")
-    if field is None or tokens is None:
-        return
-    token_id = int(field.contents())
-    if not 0 <= token_id < len(tokens.data):
-        raise ValueError(f"tokenizer.ggml.eos_token_id {token_id} is outside the vocabulary")
-    config = json.loads(tokenizer_config.read_text(encoding="utf-8"))
-    config["eos_token"] = tokens.contents(token_id)
-    if "eos_token_id" in config:
-        config["eos_token_id"] = token_id
-    tokenizer_config.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
