@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -22,17 +23,20 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     Float32 because the dequantised values (scale * q + min, per block) are not exactly
     representable in 16 bits; the loader can still cast when building the network.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config_dict = load_gguf_checkpoint(str(gguf))["config"]
-    model_type = config_dict.get("model_type")
-    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
-        raise ValueError(f"unsupported architecture {model_type!r}")
     from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
 
     reader = GGUFReader(gguf)  # for the metadata transformers' reader leaves out or gets wrong
     fields = reader.fields
+    arch = _field(fields, "general.architecture")
+    own = arch in OWN_ARCHITECTURES
+    if not own and arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    config_dict = _own_config(reader, arch) if own else load_gguf_checkpoint(str(gguf))["config"]
+    model_type = config_dict.get("model_type")
+    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
+        raise ValueError(f"unsupported architecture {model_type!r}")
     head_dim = _gguf_head_dim(fields)
     if head_dim is not None:
         config_dict["head_dim"] = head_dim
@@ -49,7 +53,10 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     # model; one on the meta device costs no memory.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    if own:
+        tensors = _own_tensors(reader, arch, skeleton, config)
+    else:
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     missing = sorted(expected - set(tensors))
     if missing:
@@ -58,10 +65,136 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     config.save_pretrained(out)
     save_file({name: tensors[name].float().contiguous() for name in sorted(expected)},
               out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # AutoTokenizer picks the class by the model, through transformers' GGUF config reader; the
+    # tokenizer of a file that reader does not know is built from its metadata alone.
+    tokenizer_class = PreTrainedTokenizerFast if own else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     # One tokenizer_config.json that carries the chat template, rather than a separate .jinja file.
     tokenizer.save_pretrained(out, save_jinja_files=False)
     _eos_token_from_gguf(fields, out / "tokenizer_config.json")
+
+
+OWN_ARCHITECTURES = {"gemma": "GEMMA", "smollm3": "SMOLLM3", "granite": "GRANITE", "olmo2": "OLMO2"}
+"""The llama.cpp architectures read here rather than by transformers' GGUF reader, which does not
+know them, and their ``gguf.MODEL_ARCH`` names. Each is written by llama.cpp's converter as the
+checkpoint's tensors under llama.cpp's names, with these changes undone on reading: SmolLM3 and
+Granite (converted as Llama) have q's and k's rows (weights and biases) reordered per head into
+interleaved rotary pairs; Gemma's norms are stored as 1 + weight."""
+
+_PERMUTED = ("smollm3", "granite")
+_GGUF_CONFIG_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                     "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+                     "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                     "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+                     "vocab_size": "vocab_size"}
+_GGUF_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+_GGUF_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id"}
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "logit_scale": "logits_scaling", "attention.scale": "attention_multiplier"}
+
+
+def _field(fields: dict, key: str):
+    """The value of ``key`` (None where the file lacks it). A float is stored in 32 bits; it is
+    read back as the shortest decimal that rounds to those bits (1e-06, not 9.99999997e-07), the
+    value the checkpoint's config had."""
+    field = fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if isinstance(value, float):
+        return float(str(np.float32(value)))
+    return value
+
+
+def _own_config(reader, arch: str) -> dict:
+    """The Hugging Face config of a GGUF of one of ``OWN_ARCHITECTURES``, from the keys llama.cpp's
+    converter writes (``<arch>.block_count`` and so on; the head width is read with the others'
+    below). What the file leaves out is what llama.cpp assumes: SmolLM3's unrotated layers every
+    fourth, Granite's attention scale the head width's inverse square root where it holds none."""
+    fields = reader.fields
+
+    def value(key: str):
+        return _field(fields, f"{arch}.{key}")
+
+    missing = [f"{arch}.{key}" for key in _GGUF_REQUIRED if value(key) is None]
+    if missing:
+        raise ValueError(f"the file lacks {', '.join(missing)}")
+    config = {"model_type": arch}
+    config.update({name: value(key) for key, name in _GGUF_CONFIG_KEYS.items() if value(key) is not None})
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and tokens is not None:
+        config["vocab_size"] = len(tokens.data)
+    config.update({name: int(_field(fields, f"tokenizer.ggml.{key}")) for key, name in _GGUF_TOKEN_IDS.items()
+                   if _field(fields, f"tokenizer.ggml.{key}") is not None})
+    stored = {t.name for t in reader.tensors}
+    config["attention_bias"] = "blk.0.attn_q.bias" in stored
+    config["mlp_bias"] = "blk.0.ffn_up.bias" in stored
+    config.setdefault("pad_token_id", None)  # not the architecture's default, which may lie outside the vocabulary
+    config["tie_word_embeddings"] = "output.weight" not in stored
+    if "rope_freqs.weight" in stored:
+        raise ValueError("rope_freqs.weight (Llama 3's scaled rotation, as factors) is not supported for "
+                         f"{arch!r} files")
+    kind, factor = value("rope.scaling.type"), value("rope.scaling.factor")
+    if kind == "linear" and factor is not None:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif kind == "yarn" and factor is not None:
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor)}
+        if value("rope.scaling.original_context_length") is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                value("rope.scaling.original_context_length"))
+        if value("rope.scaling.attn_factor") is not None:
+            config["rope_scaling"]["attention_factor"] = float(value("rope.scaling.attn_factor"))
+    elif kind not in (None, "none"):
+        raise ValueError(f"{arch}.rope.scaling.type={kind!r}: only linear and yarn scaling are read from "
+                         f"{arch!r} files")
+    if arch == "olmo2" and value("attention.sliding_window"):
+        raise ValueError("an olmo2 file with attention.sliding_window holds OLMo 3, which is not supported")
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = 4  # llama.cpp's n_no_rope_layer_step: the file holds none
+    if arch == "granite":
+        config.update({name: float(value(key)) for key, name in _GRANITE_SCALES.items() if value(key)})
+        if "attention_multiplier" not in config:
+            head_dim = _field(fields, f"{arch}.rope.dimension_count") or config["hidden_size"] // config[
+                "num_attention_heads"]
+            config["attention_multiplier"] = float(head_dim) ** -0.5
+    return config
+
+
+def _own_tensors(reader, arch: str, skeleton, config) -> dict[str, torch.Tensor]:
+    """The tensors of a GGUF of one of ``OWN_ARCHITECTURES`` under the names of ``skeleton``'s
+    parameters, dequantised, with llama.cpp's changes undone (see ``OWN_ARCHITECTURES``); the
+    names are gguf-py's own map of each architecture's tensors."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, OWN_ARCHITECTURES[arch]), config.num_hidden_layers)
+    hf_names = {}
+    for name in skeleton.state_dict():
+        stem, kind = name.rsplit(".", 1)
+        mapped = names.get_name(stem)
+        if mapped is not None:
+            hf_names[f"{mapped}.{kind}"] = name
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    unread = sorted(t.name for t in reader.tensors if t.name not in hf_names)
+    if unread:
+        raise ValueError(f"tensors the {arch!r} model has no place for: {', '.join(unread[:5])}")
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_names[tensor.name]
+        weights = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy())
+        projection = name.split(".")[-2]
+        if arch in _PERMUTED and projection in heads:
+            weights = _pairs_to_halves(weights, heads[projection])
+        if arch == "gemma" and name.endswith("norm.weight"):
+            weights = weights - 1
+        tensors[name] = weights
+    return tensors
+
+
+def _pairs_to_halves(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's order of q's or k's rows: within each head the pairs x0 y0 x1 y1 ... back to
+    the rotary halves x0 x1 ... | y0 y1 ... that the checkpoint (rotating by halves) has."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, half, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
 
 
 def _gguf_head_dim(fields: dict) -> int | None:

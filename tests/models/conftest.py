@@ -89,7 +89,10 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_GEMMA2_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
+_GGUF_OLMO2_NORMS = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_PERMUTED = ("llama", "smollm3", "granite")
+"""Architectures llama.cpp converts as Llama, reordering q's and k's rows."""
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
@@ -97,20 +100,26 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
         names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NORMS} if arch in ("gemma2", "gemma3") else _GGUF_LAYER_NAMES
+        names = {**names, **_GGUF_OLMO2_NORMS} if arch == "olmo2" else names
         return f"blk.{layer}.{names[rest]}.{kind}"
     return f"{_GGUF_NAMES[stem]}.{kind}"
 
 
 def _interleave_rotary_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's q/k row order for the llama architecture: within each head the two rotary
-    halves [x0..x(d/2-1) | y0..y(d/2-1)] are stored as pairs x0 y0 x1 y1 ..."""
+    """llama.cpp's q/k row order (weights and biases) for the architectures it converts as Llama:
+    within each head the two rotary halves [x0..x(d/2-1) | y0..y(d/2-1)] are stored as pairs
+    x0 y0 x1 y1 ..."""
     head_dim = weight.shape[0] // heads
-    return weight.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, 2, head_dim // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
+def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str, granite_scales: bool = True,
+                    extra=None, add_bos: bool = False) -> None:
     """Write a transformers model as an F32 GGUF, the way llama.cpp's converter lays it out,
-    with the byte-level tokenizer from ``tokenizer_dir`` in GGUF metadata."""
+    with the byte-level tokenizer from ``tokenizer_dir`` in GGUF metadata (``granite_scales``
+    False: a Granite file without its four scales, for what a reader assumes then; ``extra``,
+    called with the writer before the tensors, adds what a test needs; ``add_bos``: the file says
+    to prepend BOS, as the tiny tokenizer does)."""
     import gguf
 
     config = model.config
@@ -126,7 +135,7 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
     writer.add_rope_freq_base(rope["rope_theta"])
-    if getattr(config, "head_dim", None):  # as llama.cpp writes it, where heads are not hidden / heads wide
+    if getattr(config, "head_dim", None) and arch != "granite":  # llama.cpp's converter ignores Granite's
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     if arch == "gemma2":  # llama.cpp writes the caps and the window, not query_pre_attn_scalar
@@ -138,6 +147,13 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "granite" and granite_scales:  # llama.cpp's names for Granite's four multipliers
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if arch in ("smollm3", "granite"):  # LlamaModel's converter writes the rotated width
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 model's rotation and window
         head_dim = config.hidden_size // config.num_attention_heads
         rope = config.rope_parameters
@@ -157,17 +173,19 @@ def write_tiny_gguf(path: Path, model, tokenizer_dir: Path, arch: str) -> None:
     writer.add_token_merges([" ".join(pair) for pair in spec["model"]["merges"]])
     writer.add_bos_token_id(spec["model"]["vocab"]["<s>"])
     writer.add_eos_token_id(spec["model"]["vocab"]["<|end|>"])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
 
+    if extra is not None:
+        extra(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if arch == "llama" and ".q_proj." in name:
+        if arch in _GGUF_PERMUTED and ".q_proj." in name:
             tensor = _interleave_rotary_halves(tensor, config.num_attention_heads)
-        if arch == "llama" and ".k_proj." in name:
+        if arch in _GGUF_PERMUTED and ".k_proj." in name:
             tensor = _interleave_rotary_halves(tensor, config.num_key_value_heads)
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # llama.cpp stores 1 + weight
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # llama.cpp stores 1 + weight
             tensor = tensor + 1
         writer.add_tensor(_gguf_name(name, arch), tensor.float().numpy())
     writer.write_header_to_file()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -68,14 +69,25 @@ def test_cached_load_is_fast_and_skips_transformers(default_checkpoint, default_
     assert float(seconds) < 15.0
 
 
-def gguf_round_trip(tmp_path, arch: str, tie: bool):
+OWN_KINDS = {
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=16)),  # not hidden / heads
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, {}),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,  # q/k biases reordered too
+                dict(attention_bias=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                     attention_multiplier=0.3, logits_scaling=4.0)),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(rope_theta=500000.0)),
+}
+"""Architectures whose GGUF files multispec reads itself (transformers' reader does not know them)."""
+
+
+def gguf_round_trip(tmp_path, arch: str, tie: bool, **gguf_kwargs):
     """A tiny random ``arch`` model written as GGUF the way llama.cpp does, and loaded back:
     (the loaded checkpoint, transformers' model, the file)."""
     source = tmp_path / "source"
     save_tiny(source, arch, tie=tie)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
     gguf = tmp_path / f"tiny-{arch}.gguf"
-    write_tiny_gguf(gguf, hf, source, arch)
+    write_tiny_gguf(gguf, hf, source, arch, **gguf_kwargs)
     return load_checkpoint(gguf, cache_dir=tmp_path / "cache"), hf, gguf
 
 
@@ -136,6 +148,65 @@ def test_gemma3_gguf_keeps_its_rotations_and_windows(tmp_path):
                   "rope_theta", "rope_scaling", "local_rope_theta", "tie_word_embeddings"):
         assert getattr(got, field) == getattr(want, field), field
     assert got.rope_scaling == {"rope_type": "linear", "factor": 8.0} and got.window_layers == (True,) * 5 + (False,)
+
+
+@pytest.mark.parametrize("arch", sorted(OWN_KINDS))
+def test_gguf_of_architectures_transformers_does_not_read(arch, tmp_path):
+    """Gemma, SmolLM3, Granite and OLMo 2 GGUFs, which transformers' GGUF reader refuses, come back
+    as the checkpoint they were written from: its tensors (llama.cpp's q/k order undone for SmolLM3
+    and Granite, biases included; Gemma's norms stored as 1 + weight), its whole config (Granite's
+    four scales, SmolLM3's unrotated fourth layer, OLMo 2's base) and its tokenizer."""
+    checkpoint, hf, _ = gguf_round_trip(tmp_path, arch, tie=arch == "gemma", add_bos=True)
+    assert_tensors_match_transformers(checkpoint, hf)
+    assert checkpoint.config == ModelConfig.from_hf_dict(hf.config.to_dict())
+    source = transformers.AutoTokenizer.from_pretrained(tmp_path / "source")
+    for text in ("Hello world!", "def f(x):\n    return x * 2\n", "<|start|>user\nhi<|end|>"):
+        assert checkpoint.tokenizer.encode(text) == source.encode(text), text
+    chat = [{"role": "user", "content": "Hello"}]
+    assert checkpoint.tokenizer.apply_chat_template(chat) == source.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert checkpoint.tokenizer.eos_token_ids == [4]
+
+
+def test_granite_gguf_without_scales_takes_llama_cpps(tmp_path):
+    """A Granite file holds its scales only where the checkpoint set them; without them llama.cpp
+    scales the embeddings, blocks and logits by 1 and the scores by the head width's inverse
+    square root, and so does the loaded model (transformers' own default would be a scale of 1)."""
+    source = save_tiny(tmp_path / "source", "granite", tie=False)
+    gguf = tmp_path / "tiny-granite.gguf"
+    write_tiny_gguf(gguf, transformers.AutoModelForCausalLM.from_pretrained(source), source, "granite",
+                    granite_scales=False)
+    config = load_checkpoint(gguf, cache_dir=tmp_path / "cache").config
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) == (1.0, 1.0, 1.0)
+    assert config.attention_multiplier == pytest.approx(8 ** -0.5)
+
+
+def test_gguf_of_unread_kinds_is_refused_by_name(tmp_path):
+    """What the reader cannot carry over is refused, naming it: OLMo 3 (an olmo2 file with a window),
+    an unknown rotation scaling, Llama 3's rotation factors, a missing size, an architecture neither
+    transformers nor multispec reads."""
+    source = save_tiny(tmp_path / "source", "olmo2", tie=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    import gguf as gguf_lib
+
+    cases = {"OLMo 3": lambda w: w.add_sliding_window(64),
+             "only linear and yarn": lambda w: w.add_rope_scaling_type(gguf_lib.RopeScalingType.LONGROPE),
+             "rope_freqs": lambda w: w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))}
+    for index, (message, extra) in enumerate(cases.items()):
+        path = tmp_path / f"case{index}.gguf"
+        write_tiny_gguf(path, hf, source, "olmo2", extra=extra)
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(path, cache_dir=tmp_path / "cache")
+    for arch, message in (("rwkv6", "unsupported GGUF architecture 'rwkv6'"),
+                          ("granite", "lacks granite.block_count, granite.embedding_length")):
+        path = tmp_path / f"bare-{arch}.gguf"
+        writer = gguf_lib.GGUFWriter(path, arch)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(path, cache_dir=tmp_path / "cache")
 
 
 def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
@@ -236,6 +307,11 @@ def save_tiny(directory: Path, kind: str, tie: bool, **save_kwargs) -> Path:
                 "short_factor": [1.0, 1.25], "long_factor": [2.0, 3.5]}
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
             **common, rope_parameters=rope, original_max_position_embeddings=64, sliding_window=200, pad_token_id=0))
+    elif kind in OWN_KINDS:  # the tiny tokenizer's BOS, EOS (<|end|>) and padding
+        config_class, model_class, extra = OWN_KINDS[kind]
+        layers = 4 if kind == "smollm3" else 2  # SmolLM3's fourth layer is unrotated
+        model = model_class(config_class(**{**common, "num_hidden_layers": layers}, **extra,
+                                         bos_token_id=1, eos_token_id=4, pad_token_id=0))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.save_pretrained(directory, **save_kwargs)
