@@ -33,7 +33,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     own = arch in OWN_ARCHITECTURES
     if not own and arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}")
-    config_dict = _own_config(reader, arch) if own else load_gguf_checkpoint(str(gguf))["config"]
+    config_dict = _own_config(reader, arch) if own else _decimal(load_gguf_checkpoint(str(gguf))["config"])
     model_type = config_dict.get("model_type")
     if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
         raise ValueError(f"unsupported architecture {model_type!r}")
@@ -61,6 +61,11 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     missing = sorted(expected - set(tensors))
     if missing:
         raise ValueError(f"tensors missing: {', '.join(missing[:5])}")
+    shapes = skeleton.state_dict()
+    for name in sorted(expected):
+        if tensors[name].shape != shapes[name].shape:
+            raise ValueError(f"{name} is {tuple(tensors[name].shape)} in the file where its config makes it "
+                             f"{tuple(shapes[name].shape)}")
 
     config.save_pretrained(out)
     save_file({name: tensors[name].float().contiguous() for name in sorted(expected)},
@@ -94,15 +99,21 @@ _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": 
 
 
 def _field(fields: dict, key: str):
-    """The value of ``key`` (None where the file lacks it). A float is stored in 32 bits; it is
-    read back as the shortest decimal that rounds to those bits (1e-06, not 9.99999997e-07), the
-    value the checkpoint's config had."""
+    """The value of ``key`` (None where the file lacks it), its floats as ``_decimal`` reads them."""
     field = fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
+    return _decimal(field.contents()) if field is not None else None
+
+
+def _decimal(value):
+    """A GGUF stores floats in 32 bits: each float in ``value`` (a number, or one inside a list or
+    dict) read back as the shortest decimal that rounds to those bits (1e-06, not 9.99999997e-07),
+    the value the checkpoint's config had."""
     if isinstance(value, float):
         return float(str(np.float32(value)))
+    if isinstance(value, list):
+        return [_decimal(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _decimal(item) for key, item in value.items()}
     return value
 
 

@@ -7,6 +7,7 @@ checkpoints (single file and sharded) through from_pretrained.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -43,7 +44,11 @@ def assert_tensors_match_transformers(checkpoint, hf_model) -> None:
 
 @pytest.mark.slow
 def test_default_model_matches_transformers_gguf_loader(default_checkpoint, hf_default_model, model_cache_dir):
-    assert default_checkpoint.config == ModelConfig.from_hf_dict(hf_default_model.config.to_dict())
+    """The default model as transformers loads its GGUF, but for the norms' epsilon, which multispec
+    reads as the checkpoint's 1e-05 where transformers keeps the file's 32 bits (9.99999975e-06)."""
+    want = ModelConfig.from_hf_dict(hf_default_model.config.to_dict())
+    assert default_checkpoint.config.rms_norm_eps == 1e-05 == pytest.approx(want.rms_norm_eps, rel=1e-7)
+    assert default_checkpoint.config == dataclasses.replace(want, rms_norm_eps=1e-05)
     assert_tensors_match_transformers(default_checkpoint, hf_default_model)
     assert default_checkpoint.path.parent.parent == model_cache_dir
     assert {p.name for p in default_checkpoint.path.iterdir()} >= {"config.json", "model.safetensors",
@@ -207,6 +212,20 @@ def test_gguf_of_unread_kinds_is_refused_by_name(tmp_path):
         writer.close()
         with pytest.raises(ValueError, match=message):
             load_checkpoint(path, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+def test_gguf_whose_tensors_disagree_with_its_config_is_refused(arch, tmp_path):
+    """A file whose vocabulary size says 420 tokens over an embedding of 400 (through transformers'
+    reader and through multispec's) is refused naming the tensor, not loaded to fail later."""
+    source = save_tiny(tmp_path / "source", arch, tie=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    hf.config.vocab_size = 420
+    gguf = tmp_path / "bad.gguf"
+    write_tiny_gguf(gguf, hf, source, arch)
+    with pytest.raises(ValueError, match=r"(lm_head|model.embed_tokens).weight is \(400, 32\) in the file where "
+                                         r"its config makes it \(420, 32\)"):
+        load_checkpoint(gguf, cache_dir=tmp_path / "cache")
 
 
 def test_gguf_eos_token_is_the_files_own(tmp_path, monkeypatch):
