@@ -14,7 +14,7 @@ told to call its pre-tokenizer "gpt-2" and to write Gemma's, Gemma 2's and Phi-3
 as byte-level ones (it looks for a SentencePiece file); the tensors and the model's metadata are the converter's own. The
 converter needs ``sentencepiece`` importable (``pip install sentencepiece``, here or on PYTHONPATH).
 
-    python experiments/llama_cpp_gguf.py --llama-cpp /path/to/vendor/llama.cpp
+    python experiments/llama_cpp_gguf.py --llama-cpp /path/to/vendor/llama.cpp [--outtype q8_0]
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ import importlib.util
 spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", root / "convert_hf_to_gguf.py")
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", sys.argv[4]]
 module.main()
 """
 
 
-def check(arch: str, llama_cpp: Path, work: Path) -> tuple[str, str, str]:
+def check(arch: str, llama_cpp: Path, work: Path, outtype: str) -> tuple[str, str, str]:
     source = work / arch / "source"
     save_tiny(source, arch, tie=arch in ("llama", "gemma", "gemma2", "gemma3"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
@@ -69,7 +69,7 @@ def check(arch: str, llama_cpp: Path, work: Path) -> tuple[str, str, str]:
     hf.config.bos_token_id, hf.config.eos_token_id = 1, 2  # the tiny tokenizer's <s> and </s>, as it names them
     hf.save_pretrained(source)
     gguf = work / arch / "tiny.gguf"
-    run = subprocess.run([sys.executable, "-c", _DRIVER, str(llama_cpp), str(source), str(gguf)],
+    run = subprocess.run([sys.executable, "-c", _DRIVER, str(llama_cpp), str(source), str(gguf), outtype],
                          capture_output=True, text=True)
     if run.returncode != 0:
         return arch, "converter failed", run.stderr.strip().splitlines()[-1]
@@ -86,22 +86,27 @@ def check(arch: str, llama_cpp: Path, work: Path) -> tuple[str, str, str]:
               for name, tensor in want.items() if checkpoint.tensors[name].shape != tensor.shape]
     if shapes:
         return arch, "tensor shapes differ", "; ".join(shapes)
-    worst = max((checkpoint.tensors[name] - tensor).abs().max().item() for name, tensor in want.items())
+    # Q8_0 keeps each block of 32 as int8 times a scale of the block's largest magnitude / 127: an
+    # error of at most half a step, 1/254 of that magnitude (reported relative to the tensor's).
+    worst = max(((checkpoint.tensors[name] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30)).item()
+                for name, tensor in want.items())
     got, expected = checkpoint.config, ModelConfig.from_hf_dict(hf.config.to_dict())
     fields = [f for f in got.__dataclass_fields__ if getattr(got, f) != getattr(expected, f)]
     detail = ", ".join(f"{f}: {getattr(got, f)!r} (checkpoint {getattr(expected, f)!r})" for f in fields)
-    return arch, f"largest tensor difference {worst:.2e}", detail or "config equal"
+    return arch, f"largest tensor difference {worst:.2e} of the tensor's largest value", detail or "config equal"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree (its converter)")
     parser.add_argument("--arch", nargs="*", default=ARCHS, choices=ARCHS)
+    parser.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                        help="what the converter writes (q8_0: products quantised, norms kept in F32)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work:
         for arch in args.arch:
-            print(" | ".join(check(arch, args.llama_cpp, Path(work))), flush=True)
+            print(" | ".join(check(arch, args.llama_cpp, Path(work), args.outtype)), flush=True)
 
 
 if __name__ == "__main__":
