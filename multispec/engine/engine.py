@@ -330,12 +330,14 @@ class LLMEngine:
 
     def draft_model(self, name: str | None = None) -> DraftHead | DraftLM:
         """What ``SpecConfig.draft_model`` names, loaded once: a causal LM checkpoint (a registered
-        name, a checkpoint directory or a GGUF file) that shares the target's tokenizer, or else a
+        name, a checkpoint directory, a GGUF file or a cached Hub repository) that shares the
+        target's tokenizer, or else a
         draft head file (None: the head paired with the model); a ValueError says why it cannot
         draft for this model."""
         if name is not None and not Path(name).expanduser().exists() and not is_checkpoint(name):
             raise ValueError(f"draft_model={name!r} not found: give a draft head file, a checkpoint directory, a "
-                             f".gguf file or a known model name ({', '.join(known_models())})")
+                             f".gguf file, a known model name ({', '.join(known_models())}) or the id of a "
+                             f"Hugging Face repository in the local cache")
         if name is None or not is_checkpoint(name):
             return self.draft_head(name)
         key = Path(resolve_model(name)).expanduser().resolve()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from multispec.models.config import ModelConfig
 from multispec.models.llama import LlamaForCausalLM
 from multispec.models.loading import is_gguf, load_checkpoint
-from multispec.models.registry import known_models, resolve_model
+from multispec.models.registry import cached_repo, known_models, resolve_model
 from multispec.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -46,11 +46,13 @@ class DraftLM:
 
 def is_checkpoint(name_or_path: str | Path) -> bool:
     """Whether ``draft_model`` names a causal LM (a registered name, a checkpoint directory, a GGUF
-    file) rather than a draft head file."""
+    file, a Hub repository in the local cache) rather than a draft head file."""
     if str(name_or_path) in known_models():
         return True
     path = Path(name_or_path).expanduser()
-    return path.is_dir() or (path.is_file() and is_gguf(path))
+    if path.exists():
+        return path.is_dir() or is_gguf(path)
+    return cached_repo(str(name_or_path)) is not None
 
 
 def load_draft_lm(name_or_path: str | Path, target: LlamaForCausalLM, tokenizer: Tokenizer, target_name: str,

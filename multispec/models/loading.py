@@ -50,6 +50,12 @@ def load_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Ch
     """
     path = Path(path).expanduser()
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").is_file():  # a GGUF repository's snapshot, say
+            if len(ggufs) > 1:
+                raise ValueError(f"{path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}) and no "
+                                 f"config.json: give the one to load")
+            return _load_hf_dir(_converted_gguf(ggufs[0], _cache_root(cache_dir)))
         return _load_hf_dir(path)
     if path.is_file():
         if not is_gguf(path):
@@ -112,14 +118,18 @@ def _load_hf_dir(path: Path) -> Checkpoint:
 
     tensors: dict[str, torch.Tensor] = {}
     for weights_file in _weight_files(path):
-        if not multimodal(raw):
+        if weights_file.suffix != ".safetensors":
+            stored = _torch_weights(weights_file)
+            tensors.update({_language_model_name(key): tensor for key, tensor in stored.items()
+                            if _language_model_name(key) is not None} if multimodal(raw) else stored)
+        elif not multimodal(raw):
             tensors.update(load_file(weights_file))
-            continue
-        with safe_open(weights_file, framework="pt") as handle:  # the language model's tensors only
-            for key in handle.keys():
-                name = _language_model_name(key)
-                if name is not None:
-                    tensors[name] = handle.get_tensor(key)
+        else:
+            with safe_open(weights_file, framework="pt") as handle:  # the language model's tensors only
+                for key in handle.keys():
+                    name = _language_model_name(key)
+                    if name is not None:
+                        tensors[name] = handle.get_tensor(key)
     # Old checkpoints store RoPE buffers, and some store the tied head twice; neither is a parameter.
     tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -139,22 +149,39 @@ def _language_model_name(name: str) -> str | None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """The safetensors files, from the shard index when there is one."""
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
+    """The safetensors files, from the shard index when there is one; where there are none, the
+    PyTorch files of older checkpoints (``pytorch_model.bin``, or the shards its index lists)."""
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index_file = path / index_name
+        if index_file.is_file():
+            try:
+                weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ValueError(f"malformed shard index {index_file}: {exc}") from None
+            files = [path / name for name in sorted(set(weight_map.values()))]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise ValueError(f"{index_file} lists missing shards: {', '.join(absent)}")
+            return files
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    raise ValueError(f"{path} has no weights (*.safetensors, or pytorch_model.bin)")
+
+
+def _torch_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a PyTorch weights file, mapped rather than read where its format allows.
+    Only tensors are unpickled (``weights_only``): a file that holds code is refused."""
+    import pickle
+
+    try:
         try:
-            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ValueError(f"malformed shard index {index_file}: {exc}") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ValueError(f"{index_file} lists missing shards: {', '.join(absent)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors weights")
-    return files
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise ValueError(f"cannot read {file} as PyTorch weights: {error}") from None
 
 
 def _converted_gguf(gguf: Path, cache_root: Path) -> Path:

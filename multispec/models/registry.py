@@ -1,12 +1,15 @@
-"""Short names for models that can be had without a model hub.
+"""Short names for models that can be had without a model hub, and Hub repositories already on disk.
 
-Nothing is downloaded at run time; a named model is a file some installed package
-ships. Each entry maps a name to a function that finds it.
+Nothing is downloaded at run time. A registered name is a file some installed package ships
+(each entry maps a name to a function that finds it); a Hugging Face Hub repository id
+("owner/model") names the snapshot the Hub's local cache holds of it, as ``hf download`` (or
+transformers, or vLLM) left it there.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -56,15 +59,50 @@ def known_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def looks_like_repo(name: str) -> bool:
+    """Whether ``name`` has the form of a Hub repository id, "owner/model"."""
+    return bool(_REPO_ID.match(str(name))) and not str(name).endswith((".gguf", ".safetensors"))
+
+
+def cached_repo(name: str) -> Path | None:
+    """The local snapshot of Hub repository ``name`` (the revision its ``refs/main`` names) where
+    the Hub's cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub) holds one, else None. Nothing is
+    fetched: the lookup runs with ``local_files_only``."""
+    if not looks_like_repo(name):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """An existing file or directory as given, else the location of a named model."""
+    """An existing file or directory as given, else the location of a named model, else the
+    Hub cache's snapshot of a repository id."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
     locate = _REGISTRY.get(name_or_path)
-    if locate is None:
+    if locate is not None:
+        return locate()
+    snapshot = cached_repo(name_or_path)
+    if snapshot is not None:
+        return snapshot
+    if looks_like_repo(name_or_path):
+        from huggingface_hub import constants
+
         raise ValueError(
-            f"{name_or_path!r} is neither an existing file or directory nor a known model "
-            f"({', '.join(known_models())})"
+            f"{name_or_path!r} is not a file or directory here, and the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+            f"holds no snapshot of that repository; multispec never downloads a model: fetch it first "
+            f"(`hf download {name_or_path}`) or give its directory"
         )
-    return locate()
+    raise ValueError(
+        f"{name_or_path!r} is neither an existing file or directory, a known model "
+        f"({', '.join(known_models())}) nor a Hugging Face repository id (owner/model)"
+    )

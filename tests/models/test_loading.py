@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import multispec.models.loading as loading
 from multispec.models import DEFAULT_MODEL, ModelConfig, load_checkpoint, resolve_model
@@ -366,6 +366,62 @@ def test_sharded_directory(tmp_path):
                                       transformers.AutoModelForCausalLM.from_pretrained(directory))
 
 
+def as_pytorch_bin(directory: Path, shards: int) -> None:
+    """Rewrite a checkpoint's weights as an older one stores them: ``pytorch_model.bin``, or that
+    many shards and their index (transformers 5 writes safetensors only)."""
+    state = {}
+    for file in directory.glob("*.safetensors"):
+        state.update(load_file(file))
+        file.unlink()
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    if shards == 1:
+        torch.save(state, directory / "pytorch_model.bin")
+        return
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({name: state[name] for name in names[i::shards]}, directory / file)
+        weight_map.update({name: file for name in names[i::shards]})
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_pytorch_bin_directory(tmp_path, shards):
+    """An older checkpoint with PyTorch weights (``pytorch_model.bin``, or shards and their index)."""
+    directory = save_tiny(tmp_path / "bin", "llama", tie=False)
+    want = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    as_pytorch_bin(directory, shards)
+    assert not list(directory.glob("*.safetensors"))
+    assert_tensors_match_transformers(load_checkpoint(directory), want)
+
+
+def test_pytorch_bin_that_holds_code_is_refused(tmp_path):
+    """Only tensors are unpickled from a PyTorch file: one holding any other object is a
+    ValueError naming the file, and nothing in it runs."""
+    directory = save_tiny(tmp_path / "bin", "llama", tie=False)
+    as_pytorch_bin(directory, 1)
+    torch.save({"model.norm.weight": torch.ones(32), "hook": print}, directory / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="cannot read .*pytorch_model.bin as PyTorch weights"):
+        load_checkpoint(directory)
+
+
+def test_directory_of_gguf_files(tmp_path):
+    """A directory with a GGUF file and no config.json (a GGUF repository's snapshot) loads its
+    file; one with several asks for one of them by name."""
+    source = save_tiny(tmp_path / "source", "llama", tie=True)
+    directory = tmp_path / "repo"
+    directory.mkdir()
+    write_tiny_gguf(directory / "tiny-F32.gguf", transformers.AutoModelForCausalLM.from_pretrained(source), source,
+                    "llama")
+    checkpoint = load_checkpoint(directory, cache_dir=tmp_path / "cache")
+    assert checkpoint.path.parent == tmp_path / "cache" / "gguf"
+    assert_tensors_match_transformers(checkpoint, transformers.AutoModelForCausalLM.from_pretrained(source))
+    shutil.copy(directory / "tiny-F32.gguf", directory / "tiny-Q8_0.gguf")
+    with pytest.raises(ValueError, match="holds 2 GGUF files .tiny-F32.gguf, tiny-Q8_0.gguf. and no config.json"):
+        load_checkpoint(directory, cache_dir=tmp_path / "cache")
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
@@ -426,6 +482,56 @@ def test_existing_paths_resolve_to_themselves(tmp_path):
 def test_unknown_name_lists_known_models():
     with pytest.raises(ValueError, match=DEFAULT_MODEL):
         resolve_model("no-such-model")
+
+
+def hub_snapshot(cache: Path, repo: str, files: dict[str, bytes] | None = None) -> Path:
+    """A repository's snapshot laid out as the Hugging Face Hub's cache keeps it (``refs/main``
+    naming a snapshot folder under ``models--owner--name``)."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0123abc")
+    for name, data in (files or {}).items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def test_hub_repository_ids_resolve_to_the_local_cache(tmp_path, monkeypatch):
+    """A Hub repository id ("owner/model") names its snapshot in the Hub's local cache, as vLLM
+    takes it; one the cache lacks is refused with how to fetch it, and nothing is downloaded."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = hub_snapshot(tmp_path / "hub", "acme/tiny-llama")
+    assert resolve_model("acme/tiny-llama") == snapshot
+    with pytest.raises(ValueError, match=r"'acme/other' is not a file or directory here, and the Hugging Face "
+                                         r"cache .*hub. holds no snapshot.*hf download acme/other"):
+        resolve_model("acme/other")
+    monkeypatch.chdir(tmp_path)  # a directory of that name, relative to here, comes first
+    (tmp_path / "acme" / "tiny-llama").mkdir(parents=True)
+    assert resolve_model("acme/tiny-llama") == Path("acme/tiny-llama")
+
+
+def test_llm_and_draft_model_from_hub_ids(tmp_path, monkeypatch):
+    """``LLM("owner/model")`` and ``draft_model="owner/model"`` load the cached snapshots."""
+    import huggingface_hub.constants
+
+    from multispec import LLM, SamplingParams, SpecConfig
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = save_tiny(tmp_path / "source", "llama", tie=True)
+    for repo in ("acme/target", "acme/draft"):
+        hub_snapshot(tmp_path / "hub", repo, {f.name: f.read_bytes() for f in source.iterdir()})
+    llm = LLM("acme/target", dtype="float32", kv_cache_memory=0.05)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=6, seed=0, ignore_eos=True)
+    out = llm.generate(["Hello"], params, spec=SpecConfig(drafter="model", draft_model="acme/draft", adaptive=False),
+                       use_tqdm=False)
+    drafted = llm.last_stats
+    plain = llm.generate(["Hello"], params, use_tqdm=False)
+    assert [c.token_ids for c in out[0].outputs] == [c.token_ids for c in plain[0].outputs]
+    # The draft is the target's own checkpoint, so its greedy drafts are all accepted.
+    assert drafted.drafted_tokens > 0 and drafted.accepted_tokens == drafted.drafted_tokens
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
