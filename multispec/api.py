@@ -82,7 +82,8 @@ class LLM:
                  device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto",
                  enable_prefix_caching: bool = True):
         if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory or a .gguf path")
+            raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory, a "
+                             f"Hub repository id or a .gguf path")
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real) or not (
                 math.isfinite(kv_cache_memory) and kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be a finite number of GiB > 0")

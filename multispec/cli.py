@@ -28,7 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="registered name, Hugging Face checkpoint directory or .gguf file (default: %(default)s)")
+                        help="registered name, Hugging Face checkpoint directory, Hub repository id in the local "
+                             "cache or .gguf file (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="'auto' (default): bfloat16 where the hardware computes it natively, else float32")
     parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache cap in GiB (default: %(default)s)")
@@ -148,8 +149,8 @@ def _add_spec_args(parser: argparse.ArgumentParser, drafter: str) -> None:
     parser.add_argument("--scheme", default="auto", choices=SCHEMES)
     parser.add_argument("--draft-model", default=None,
                         help="drafter 'model' or 'hybrid': a draft head file (default: the head paired with the "
-                             "model), or a causal LM sharing the model's tokenizer (checkpoint directory, .gguf or "
-                             "known name)")
+                             "model), or a causal LM sharing the model's tokenizer (checkpoint directory, .gguf, "
+                             "cached Hub repository id or known name)")
     parser.add_argument("--num-candidates", type=int, default=1,
                         help="drafter 'model': candidates drawn at the root, each extended as a chain")
     parser.add_argument("--decision-threshold", type=float, default=None,

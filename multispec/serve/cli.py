@@ -13,7 +13,8 @@ from multispec.serve.tools import REASONING_PARSERS, TOOL_PARSERS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_name", nargs="?", metavar="MODEL",
-                        help="registered name, Hugging Face checkpoint directory or .gguf file (or --model)")
+                        help="registered name, Hugging Face checkpoint directory, Hub repository id in the "
+                             "local cache or .gguf file (or --model)")
     _add_model_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context window (default: the model's)")
