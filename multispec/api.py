@@ -21,8 +21,8 @@ from multispec.engine.request import Request
 from multispec.models import DEFAULT_MODEL, load_checkpoint, paired_draft_head, resolve_model
 from multispec.models.loading import generation_defaults, weights_key
 from multispec.models.llama import LlamaForCausalLM
-from multispec.params import (CompletionOutput, RequestOutput, RequestOutputKind, RunStats, SamplingParams, SpecConfig,
-                              check_bool)
+from multispec.params import (SEED_RANGE, CompletionOutput, RequestOutput, RequestOutputKind, RunStats,
+                              SamplingParams, SpecConfig, check_bool, check_int)
 
 __all__ = ["LLM", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "RunStats"]
 
@@ -54,7 +54,7 @@ class LLM:
     """A loaded model that draws n samples per prompt.
 
     ``model`` is a registered name (default ``smollm2-135m-instruct``), a Hugging Face checkpoint
-    directory or a ``.gguf`` file. ``spec`` is the default speculation setting of every
+    directory, a Hub repository id in the local cache or a ``.gguf`` file. ``spec`` is the default speculation setting of every
     ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` (GiB) is the KV cache,
     reserved once here and touched only as slots are used; a request that cannot fit even alone
     is refused before it runs, and requests that fit only one after another wait for their turn.
@@ -72,7 +72,9 @@ class LLM:
     ``SamplingParams``' own defaults, or another directory's file. ``enable_prefix_caching`` (vLLM's
     name, on by default): a prompt that begins with tokens an earlier prompt had computes only the
     rest, from the keys and values that prompt left in the cache (``multispec.engine.prefix``).
-    ``engine`` is the ``LLMEngine``
+    ``seed`` (vLLM's): requests whose ``SamplingParams`` give no seed take theirs, in the order
+    they are added, from a stream begun from it, so that rerunning a script draws the same samples
+    (None: fresh randomness each time). ``engine`` is the ``LLMEngine``
     every call steps. The first ``LLM`` of a process freezes the interpreter's heap out of the
     garbage collector's way (``gc.freeze``, see ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
@@ -80,7 +82,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
                  device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto",
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, seed: int | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory, a "
                              f"Hub repository id or a .gguf path")
@@ -90,6 +92,7 @@ class LLM:
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, Integral)):
             raise ValueError(f"max_model_len={max_model_len!r}: must be an integer or None")
         _check_spec(spec)
+        seed = check_int("seed", seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
@@ -119,7 +122,8 @@ class LLM:
         engine_config = EngineConfig(max_model_len=max_model_len or limit, kv_cache_bytes=int(kv_cache_memory * GIB),
                                      model_key=weights_key(path), cache_dir=cache_dir,
                                      draft_head=paired_draft_head(model), model_name=str(model),
-                                     kv_cache_dtype=self.kv_cache_dtype, prefix_caching=enable_prefix_caching)
+                                     kv_cache_dtype=self.kv_cache_dtype, prefix_caching=enable_prefix_caching,
+                                     seed=seed)
         self.engine = LLMEngine(self.model, self.tokenizer, engine_config, self.spec)
         self.last_stats: RunStats | None = None
         self._ids = itertools.count()

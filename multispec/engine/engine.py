@@ -15,6 +15,7 @@ finished with an error; the others in the batch go on.
 from __future__ import annotations
 
 import itertools
+import random
 import secrets
 import time
 import warnings
@@ -73,6 +74,10 @@ class EngineConfig:
     """What the KV cache stores (None: the model's dtype; bfloat16 under float32 weights)."""
     prefix_caching: bool = True
     """Whether prompts reuse the keys and values of earlier prompts they begin with."""
+    seed: int | None = None
+    """Seeds the requests that give no seed of their own: each takes the next number of a stream
+    begun from it, in the order the requests are added, so that a rerun adding the same requests
+    draws the same samples (vLLM's ``LLM(seed=)``). None: each such request draws fresh randomness."""
 
 
 @dataclass
@@ -103,6 +108,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        self._seeds = random.Random(config.seed) if config.seed is not None else None
         self.default_spec = spec or SpecConfig()
         self.dtype = model.output_weight().dtype
         self.device = model.output_weight().device
@@ -201,7 +207,7 @@ class LLMEngine:
                 check_window(draft, len(ids) + max_tokens, subject)
         draft = spec.max_draft_nodes if spec.speculates else 0
         request = Request(request_id, prompt, [int(t) for t in ids], params, spec, max_tokens,
-                          params.seed if params.seed is not None else secrets.randbits(64), stop_ids, eos, output_kind,
+                          params.seed if params.seed is not None else self._unseeded(), stop_ids, eos, output_kind,
                           resolve(spec.scheme, spec.draft_law, params.temperature).name, lane_key(spec, params),
                           max_tokens + draft + 1)
         request.bad_words_ids = self._bad_words_ids(params.bad_words or ())
@@ -327,6 +333,10 @@ class LLMEngine:
             lane = self.lanes[request.lane] = Lane(spec, self.vocab_size, self.prices,
                                                    temperature=request.params.temperature, draft=draft)
         return lane
+
+    def _unseeded(self) -> int:
+        """The seed of a request that gives none (see ``EngineConfig.seed``)."""
+        return self._seeds.getrandbits(64) if self._seeds is not None else secrets.randbits(64)
 
     def draft_model(self, name: str | None = None) -> DraftHead | DraftLM:
         """What ``SpecConfig.draft_model`` names, loaded once: a causal LM checkpoint (a registered

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the name clients give as 'model' (default: the model as given)")
     parser.add_argument("--api-key", default=os.environ.get("MULTISPEC_API_KEY"),
                         help="every /v1 request must send 'Authorization: Bearer KEY' (default: $MULTISPEC_API_KEY)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds the requests that give no seed, in the order they arrive (default: fresh "
+                             "randomness)")
     parser.add_argument("--max-n", type=int, default=64, help="samples per request (default: %(default)s)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
                         help="tokens per sample a request may ask for (default: the context window)")
@@ -74,7 +77,7 @@ def run(args) -> int:
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
               spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
               enable_prefix_caching=args.enable_prefix_caching,
-              generation_config=args.generation_config)
+              generation_config=args.generation_config, seed=args.seed)
     if llm.generation_defaults:  # as vLLM says it: a request's results may differ from OpenAI's defaults
         print(f"multispec: default sampling settings from the model's generation config: {llm.generation_defaults} "
               f"(--generation-config vllm to not use them)", file=sys.stderr)

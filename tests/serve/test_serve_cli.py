@@ -32,3 +32,19 @@ def test_a_chat_template_that_does_not_render_is_refused_before_serving(successo
                  "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("multispec: error: chat template does not parse")
+
+
+def test_seed_reaches_the_engine(monkeypatch, capsys):
+    """``--seed`` (vLLM's) becomes ``LLM(seed=)``: requests that give no seed are seeded from it."""
+    import multispec.api
+
+    seen = {}
+
+    def fake_llm(model, **options):
+        seen.update(options)
+        raise ValueError("not loading here")
+
+    monkeypatch.setattr(multispec.api, "LLM", fake_llm)  # the command imports it when it runs
+    assert main(["serve", "--seed", "5"]) == 2
+    assert seen["seed"] == 5
+    assert capsys.readouterr().err.strip() == "multispec: error: not loading here"
