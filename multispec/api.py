@@ -19,7 +19,7 @@ from multispec.engine.cache import GIB
 from multispec.engine.engine import EngineConfig, LLMEngine
 from multispec.engine.request import Request
 from multispec.models import DEFAULT_MODEL, load_checkpoint, paired_draft_head, resolve_model
-from multispec.models.loading import generation_defaults, weights_key
+from multispec.models.loading import generation_defaults, load_tokenizer, weights_key
 from multispec.models.llama import LlamaForCausalLM
 from multispec.params import (SEED_RANGE, CompletionOutput, RequestOutput, RequestOutputKind, RunStats,
                               SamplingParams, SpecConfig, check_bool, check_int)
@@ -74,7 +74,12 @@ class LLM:
     rest, from the keys and values that prompt left in the cache (``multispec.engine.prefix``).
     ``seed`` (vLLM's): requests whose ``SamplingParams`` give no seed take theirs, in the order
     they are added, from a stream begun from it, so that rerunning a script draws the same samples
-    (None: fresh randomness each time). ``engine`` is the ``LLMEngine``
+    (None: fresh randomness each time). ``tokenizer`` (vLLM's): another tokenizer than the
+    checkpoint's own, a directory holding ``tokenizer.json`` or a Hub repository id in the local
+    cache, with its chat template and end-of-sequence tokens (for a GGUF file, its original
+    model's, as vLLM advises); its ids must fit the model's vocabulary. ``revision``: the snapshot of
+    a Hub repository id to load (a branch, tag or commit the cache holds; default ``main``).
+    ``engine`` is the ``LLMEngine``
     every call steps. The first ``LLM`` of a process freezes the interpreter's heap out of the
     garbage collector's way (``gc.freeze``, see ``_freeze_heap``; ``gc.unfreeze()`` undoes it).
     """
@@ -82,7 +87,8 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", kv_cache_memory: float = 4.0,
                  max_model_len: int | None = None, spec: SpecConfig | None = None, cache_dir: str | None = None,
                  device: str = "auto", kv_cache_dtype: str = "auto", generation_config: str = "auto",
-                 enable_prefix_caching: bool = True, seed: int | None = None):
+                 enable_prefix_caching: bool = True, seed: int | None = None, tokenizer: str | None = None,
+                 revision: str | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a registered name, a checkpoint directory, a "
                              f"Hub repository id or a .gguf path")
@@ -93,6 +99,11 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len!r}: must be an integer or None")
         _check_spec(spec)
         seed = check_int("seed", seed, SEED_RANGE[0], SEED_RANGE[1] - 1, none=True)
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError(f"tokenizer={tokenizer!r}: must be a directory holding tokenizer.json, a Hub "
+                             f"repository id or None")
+        if revision is not None and not isinstance(revision, str):
+            raise ValueError(f"revision={revision!r}: must be a branch, tag or commit of a Hub repository, or None")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: must be True or False")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
@@ -104,14 +115,14 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        path = resolve_model(model)
+        path = resolve_model(model, revision)
         checkpoint = load_checkpoint(path, cache_dir=cache_dir)
         self.model_name = model
         self.generation_defaults = {} if generation_config == "vllm" else generation_defaults(
             checkpoint.path if generation_config == "auto" else generation_config)
         """The sampling defaults taken from a generation config (``get_default_sampling_params``)."""
         self.config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
+        self.tokenizer = checkpoint.tokenizer if tokenizer is None else load_tokenizer(tokenizer, checkpoint.config)
         self.model = LlamaForCausalLM.from_tensors(checkpoint.config, checkpoint.tensors, self.dtype, self.device)
         limit = checkpoint.config.context_window
         if max_model_len is not None and not 1 < max_model_len <= limit:

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from multispec.api import chat_options
-from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec
+from multispec.cli import _add_model_args, _add_sampling_args, _add_spec_args, _sampling, _spec, model_options
 from multispec.distributed import add_ray_arguments, map_with_llm, ray_options
 from multispec.params import SamplingParams, SpecConfig
 from multispec.serve.errors import APIError
@@ -59,9 +59,7 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if not output.parent.is_dir():
         raise ValueError(f"--output {output}: no directory {output.parent}")
-    llm_options = {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                   "kv_cache_dtype": args.kv_cache_dtype, "device": args.device, "spec": spec,
-                   "enable_prefix_caching": args.enable_prefix_caching}
+    llm_options = {**model_options(args), "spec": spec}
     start = time.perf_counter()
     results = map_with_llm(requests, complete, llm_options, **ray_options(args))
     seconds = time.perf_counter() - start

@@ -39,6 +39,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="'auto' (a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the keys and values of prompts that begin alike (default: on)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="another tokenizer than the model's own: a directory holding tokenizer.json or a Hub "
+                             "repository id in the local cache (for a .gguf file, its original model's)")
+    parser.add_argument("--revision", default=None,
+                        help="the snapshot of a Hub repository id: a branch, tag or commit the cache holds "
+                             "(default: main)")
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The ``LLM`` keyword arguments that ``_add_model_args``' flags give."""
+    return {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+            "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
+            "enable_prefix_caching": args.enable_prefix_caching, "tokenizer": args.tokenizer,
+            "revision": args.revision}
 
 
 MODEL_LAW_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -186,8 +200,7 @@ def _spec(args) -> SpecConfig:
 def _llm(args):
     from multispec.api import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, device=args.device,
-              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
+    llm = LLM(**model_options(args))
     kv = "" if llm.kv_cache_dtype == llm.dtype else f", KV cache {str(llm.kv_cache_dtype).removeprefix('torch.')}"
     print(f"multispec: {args.model} on {llm.device}, {str(llm.dtype).removeprefix('torch.')}{kv}", file=sys.stderr)
     return llm

@@ -70,6 +70,27 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 ``SamplingParams`` field each sets: the ones vLLM takes from it."""
 
 
+def load_tokenizer(name_or_path: str | Path, config: ModelConfig) -> Tokenizer:
+    """A tokenizer other than a checkpoint's own (``LLM(tokenizer=)``, as vLLM's): a directory
+    holding ``tokenizer.json`` or a Hub repository id in the local cache. Every id it can produce
+    must name a row of the model's vocabulary (``config.vocab_size``)."""
+    from multispec.models.registry import resolve_model
+
+    name = str(name_or_path)
+    try:
+        path = resolve_model(name)
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory holding tokenizer.json")
+        tokenizer = Tokenizer.from_dir(path)
+    except ValueError as error:
+        raise ValueError(f"tokenizer={name!r}: {error}") from None
+    largest = max(tokenizer.vocab().values())
+    if largest >= config.vocab_size:
+        raise ValueError(f"tokenizer={name!r}: its ids reach {largest}, past the model's vocabulary of "
+                         f"{config.vocab_size} tokens")
+    return tokenizer
+
+
 def generation_defaults(directory: str | Path) -> dict:
     """The sampling defaults in ``directory``'s ``generation_config.json`` (``{}`` where there is
     none), as ``SamplingParams`` fields; a malformed file or value is a ValueError naming it."""

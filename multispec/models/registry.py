@@ -67,40 +67,46 @@ def looks_like_repo(name: str) -> bool:
     return bool(_REPO_ID.match(str(name))) and not str(name).endswith((".gguf", ".safetensors"))
 
 
-def cached_repo(name: str) -> Path | None:
-    """The local snapshot of Hub repository ``name`` (the revision its ``refs/main`` names) where
-    the Hub's cache (``HF_HUB_CACHE``, or ``HF_HOME``/hub) holds one, else None. Nothing is
-    fetched: the lookup runs with ``local_files_only``."""
+def cached_repo(name: str, revision: str | None = None) -> Path | None:
+    """The local snapshot of Hub repository ``name`` at ``revision`` (a branch, tag or commit the
+    cache knows; None: the one its ``refs/main`` names) where the Hub's cache (``HF_HUB_CACHE``, or
+    ``HF_HOME``/hub) holds one, else None. Nothing is fetched: the lookup runs with
+    ``local_files_only``."""
     if not looks_like_repo(name):
         return None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name, local_files_only=True))
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError):
         return None
 
 
-def resolve_model(name_or_path: str) -> Path:
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
     """An existing file or directory as given, else the location of a named model, else the
-    Hub cache's snapshot of a repository id."""
+    Hub cache's snapshot of a repository id (at ``revision``, which only a repository id takes)."""
     path = Path(name_or_path).expanduser()
+    if revision is not None and (path.exists() or name_or_path in _REGISTRY or not looks_like_repo(name_or_path)):
+        raise ValueError(f"revision={revision!r} selects a snapshot of a Hub repository; {name_or_path!r} is not a "
+                         f"repository id")
     if path.exists():
         return path
     locate = _REGISTRY.get(name_or_path)
     if locate is not None:
         return locate()
-    snapshot = cached_repo(name_or_path)
+    snapshot = cached_repo(name_or_path, revision)
     if snapshot is not None:
         return snapshot
     if looks_like_repo(name_or_path):
         from huggingface_hub import constants
 
+        at = f" at revision {revision!r}" if revision is not None else ""
+        fetch = f"hf download {name_or_path}" + (f" --revision {revision}" if revision is not None else "")
         raise ValueError(
             f"{name_or_path!r} is not a file or directory here, and the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-            f"holds no snapshot of that repository; multispec never downloads a model: fetch it first "
-            f"(`hf download {name_or_path}`) or give its directory"
+            f"holds no snapshot of that repository{at}; multispec never downloads a model: fetch it first "
+            f"(`{fetch}`) or give its directory"
         )
     raise ValueError(
         f"{name_or_path!r} is neither an existing file or directory, a known model "

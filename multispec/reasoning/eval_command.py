@@ -100,7 +100,7 @@ def _on_ray(args, config, problems) -> list[dict]:
     from multispec.reasoning.evaluate import solve_rows
 
     rows = [{"position": i, "problem": problem, "config": config} for i, problem in enumerate(problems)]
-    llm_options = {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                   "kv_cache_dtype": args.kv_cache_dtype, "device": args.device,
-                   "enable_prefix_caching": args.enable_prefix_caching}
+    from multispec.cli import model_options
+
+    llm_options = model_options(args)
     return map_with_llm(rows, solve_rows, llm_options, **ray_options(args))

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec, _text_or_file
+from multispec.cli import DEFAULT_MODEL, _add_model_args, _add_spec_args, _spec, _text_or_file, model_options
 from multispec.serve.tools import REASONING_PARSERS, TOOL_PARSERS
 
 
@@ -74,9 +74,7 @@ def run(args) -> int:
     spec = _spec(args)
     chat_template = None if args.chat_template is None else _text_or_file("--chat-template", args.chat_template)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              spec=spec, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-              enable_prefix_caching=args.enable_prefix_caching,
+    llm = LLM(**{**model_options(args), "model": model}, max_model_len=args.max_model_len, spec=spec,
               generation_config=args.generation_config, seed=args.seed)
     if llm.generation_defaults:  # as vLLM says it: a request's results may differ from OpenAI's defaults
         print(f"multispec: default sampling settings from the model's generation config: {llm.generation_defaults} "

@@ -513,6 +513,51 @@ def test_hub_repository_ids_resolve_to_the_local_cache(tmp_path, monkeypatch):
     assert resolve_model("acme/tiny-llama") == Path("acme/tiny-llama")
 
 
+def test_hub_revisions(tmp_path, monkeypatch):
+    """``revision`` picks another snapshot the cache holds (a branch or tag it has a ref for); it
+    is refused with anything but a repository id, and one the cache lacks says how to fetch it."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    main = hub_snapshot(tmp_path / "hub", "acme/tiny")
+    root = tmp_path / "hub" / "models--acme--tiny"
+    (root / "snapshots" / "4567def").mkdir()
+    (root / "refs" / "v1").write_text("4567def")
+    assert resolve_model("acme/tiny") == main
+    assert resolve_model("acme/tiny", revision="v1") == root / "snapshots" / "4567def"
+    with pytest.raises(ValueError, match=r"at revision 'v2'.*hf download acme/tiny --revision v2"):
+        resolve_model("acme/tiny", revision="v2")
+    with pytest.raises(ValueError, match=r"revision='v1' selects a snapshot of a Hub repository; .* is not a "
+                                         r"repository id"):
+        resolve_model(str(tmp_path), revision="v1")
+
+
+def test_llm_takes_another_tokenizer(tmp_path):
+    """``LLM(tokenizer=)``, as vLLM's: a GGUF model with its original checkpoint's tokenizer (here
+    one that prepends BOS where the file's does not); a tokenizer whose ids pass the model's
+    vocabulary is refused, naming both sizes."""
+    from multispec import LLM
+
+    source = save_tiny(tmp_path / "source", "llama", tie=True)
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, transformers.AutoModelForCausalLM.from_pretrained(source), source, "llama")
+    own = LLM(str(gguf), dtype="float32", kv_cache_memory=0.05, cache_dir=str(tmp_path / "cache"))
+    other = LLM(str(gguf), dtype="float32", kv_cache_memory=0.05, cache_dir=str(tmp_path / "cache"),
+                tokenizer=str(source))
+    want = transformers.AutoTokenizer.from_pretrained(source).encode("Hello world!")
+    assert other.tokenizer.encode("Hello world!") == want and own.tokenizer.encode("Hello world!") == want[1:]
+    small = tmp_path / "small"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).save_pretrained(small)
+    write_tiny_tokenizer(small)
+    with pytest.raises(ValueError, match=r"tokenizer='.*source': its ids reach 318, past the model's vocabulary of "
+                                         r"300 tokens"):
+        LLM(str(small), dtype="float32", kv_cache_memory=0.05, tokenizer=str(source))
+    with pytest.raises(ValueError, match=r"tokenizer='.*tiny.gguf': .* is not a directory holding tokenizer.json"):
+        LLM(str(source), dtype="float32", kv_cache_memory=0.05, tokenizer=str(gguf))
+
+
 def test_llm_and_draft_model_from_hub_ids(tmp_path, monkeypatch):
     """``LLM("owner/model")`` and ``draft_model="owner/model"`` load the cached snapshots."""
     import huggingface_hub.constants

@@ -35,7 +35,8 @@ def test_a_chat_template_that_does_not_render_is_refused_before_serving(successo
 
 
 def test_seed_reaches_the_engine(monkeypatch, capsys):
-    """``--seed`` (vLLM's) becomes ``LLM(seed=)``: requests that give no seed are seeded from it."""
+    """``--seed`` (vLLM's) becomes ``LLM(seed=)``: requests that give no seed are seeded from it;
+    ``--tokenizer`` and ``--revision`` reach the ``LLM`` likewise."""
     import multispec.api
 
     seen = {}
@@ -45,6 +46,6 @@ def test_seed_reaches_the_engine(monkeypatch, capsys):
         raise ValueError("not loading here")
 
     monkeypatch.setattr(multispec.api, "LLM", fake_llm)  # the command imports it when it runs
-    assert main(["serve", "--seed", "5"]) == 2
-    assert seen["seed"] == 5
+    assert main(["serve", "--seed", "5", "--tokenizer", "some/dir", "--revision", "v1"]) == 2
+    assert (seen["seed"], seen["tokenizer"], seen["revision"]) == (5, "some/dir", "v1")
     assert capsys.readouterr().err.strip() == "multispec: error: not loading here"
