@@ -1,5 +1,7 @@
 // A decode step's whole layer stack in one call, for the CPU: every decoder layer of a Llama-family
-// model over the step's packed tokens, then the final norm.
+// model over the step's packed tokens, then the final norm. Gemma's norms (by 1 + weight, around
+// each block for Gemma 2 and 3), GELU gates, SmolLM3's unrotated layers and Gemma 3's second
+// rotation run here too (``Extras``); OLMo 2's norms do not.
 //
 // At a few samples in flight the matrix products of a step stream the weights once and are near
 // their floor; what makes the step cost twice that is everything between them: some thirty small
@@ -50,9 +52,11 @@ using multispec_kernels::widen;
 constexpr int64_t GRAIN = 8;  // rows per task of the element-wise loops
 
 // x += delta (rounded to scalar_t, as the residual add of the Python path), then
-// out = weight * round(x * rsqrt(mean(x^2) + eps)), rounded. delta may be undefined (no add).
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), rounded; ``gemma``: Gemma's norm,
+// round(x * rsqrt(mean(x^2) + eps) * (1 + weight)) in float32. delta may be undefined (no add).
 template <typename scalar_t>
-void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out, double eps) {
+void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out, double eps,
+              bool gemma = false) {
   const int64_t rows = x.size(0), n = x.size(1);
   scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* dp = delta.defined() ? delta.data_ptr<scalar_t>() : nullptr;
@@ -77,30 +81,40 @@ void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, 
       for (int64_t i = 0; i < n; ++i) squares += v[i] * v[i];
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
       scalar_t* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = narrow_to<scalar_t>(widen(wp[i]) * rounded<scalar_t>(v[i] * inv));
+      if (gemma) {
+        for (int64_t i = 0; i < n; ++i) o[i] = narrow_to<scalar_t>(v[i] * inv * (1.0f + widen(wp[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i] = narrow_to<scalar_t>(widen(wp[i]) * rounded<scalar_t>(v[i] * inv));
+      }
     }
   });
 }
 
 // One head of ``dim`` values in place: weight * round(x * rsqrt(mean(x^2) + eps)), rounded (the
-// RMSNorm of the Python path over the head).
+// RMSNorm of the Python path over the head); ``gemma``: Gemma's, as in add_norm.
 template <typename scalar_t>
-inline void norm_head(scalar_t* x, const scalar_t* weight, int64_t dim, float eps) {
+inline void norm_head(scalar_t* x, const scalar_t* weight, int64_t dim, float eps, bool gemma) {
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
   for (int64_t d = 0; d < dim; ++d) squares += widen(x[d]) * widen(x[d]);
   const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d) x[d] = narrow_to<scalar_t>(widen(weight[d]) * rounded<scalar_t>(widen(x[d]) * inv));
+  if (gemma) {
+    for (int64_t d = 0; d < dim; ++d) x[d] = narrow_to<scalar_t>(widen(x[d]) * inv * (1.0f + widen(weight[d])));
+  } else {
+    for (int64_t d = 0; d < dim; ++d)
+      x[d] = narrow_to<scalar_t>(widen(weight[d]) * rounded<scalar_t>(widen(x[d]) * inv));
+  }
 }
 
 // Rotates the first ``heads`` heads of each of the ``rows`` rows of qkv (``rs`` elements apart, heads
 // ``dim`` apart) in place (the halves layout): x * cos + rotate_half(x) * sin, each product and the
-// sum rounded as in the Python path. With ``q_norm`` and ``k_norm`` (Qwen3), each head is first
-// RMS-normalised, the first ``q_heads`` by ``q_norm``, the rest by ``k_norm``.
+// sum rounded as in the Python path. With ``q_norm`` and ``k_norm`` (Qwen3; Gemma 3's with
+// ``gemma``), each head is first RMS-normalised, the first ``q_heads`` by ``q_norm``, the rest by
+// ``k_norm``. ``turn`` false (SmolLM3's unrotated layers): the norms only.
 template <typename scalar_t>
 void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor& cos, const at::Tensor& sin,
             int64_t heads, const scalar_t* q_norm = nullptr, const scalar_t* k_norm = nullptr, int64_t q_heads = 0,
-            float eps = 0.0f) {
+            float eps = 0.0f, bool gemma = false, bool turn = true) {
   const int64_t half = dim / 2, hs = dim;
   const scalar_t* cp = cos.data_ptr<scalar_t>();
   const scalar_t* sp = sin.data_ptr<scalar_t>();
@@ -116,7 +130,8 @@ void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor
       }
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* x = p + r * rs + h * hs;
-        if (q_norm != nullptr) norm_head(x, h < q_heads ? q_norm : k_norm, dim, eps);
+        if (q_norm != nullptr) norm_head(x, h < q_heads ? q_norm : k_norm, dim, eps, gemma);
+        if (!turn) continue;
         for (int64_t d = 0; d < half; ++d) {
           const float a = widen(x[d]), b = widen(x[d + half]);
           const float lo = rounded<scalar_t>(a * c[d]) + rounded<scalar_t>(-b * s[d]);
@@ -168,6 +183,22 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::opt
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
+// What other members of the family add to Llama's layer (each empty or off for Llama's own):
+// Gemma 2's and 3's norms around each block (``pre_ffn_norm``: the MLP's input norm, where
+// ``post_norm`` then normalises the attention's output; ``post_ffn_norm``: the MLP's output),
+// Gemma's norms by 1 + weight in float32 (``gemma``), the gate's activation (0 SiLU, 1 GELU's
+// tanh approximation, 2 GELU), which layers rotate q and k (``rotates``: SmolLM3 leaves every
+// fourth alone) and which rotate by the second table (``local_layers``, ``local_cos``/``local_sin``:
+// Gemma 3's windowed layers).
+struct Extras {
+  at::TensorList pre_ffn_norm, post_ffn_norm;
+  bool gemma = false;
+  int64_t activation = 0;
+  at::IntArrayRef rotates, local_layers;
+  const at::Tensor* local_cos = nullptr;
+  const at::Tensor* local_sin = nullptr;
+};
+
 template <typename scalar_t>
 at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
                   at::TensorList post_norm, at::TensorList qkv, const c10::List<std::optional<at::Tensor>>& qkv_bias,
@@ -177,7 +208,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                   at::TensorList stream, int64_t stream_rows, at::TensorList q_norm, at::TensorList k_norm,
                   int64_t heads, int64_t kv_heads, double eps,
                   const at::Tensor& sample_k, const at::Tensor& sample_v, const at::Tensor& prompt_k,
-                  const at::Tensor& prompt_v, const multispec::AttentionIndex& index, double scale) {
+                  const at::Tensor& prompt_v, const multispec::AttentionIndex& index, double scale,
+                  const Extras& extras) {
   // Below autograd: the products' outputs live only inside the step (the caches are ordinary
   // tensors, so even inference mode would track views of them).
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -191,8 +223,10 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   // The tile-streaming layout of product ``part`` (0 q/k/v, 1 o, 2 gate/up, 3 down) of a layer, if any.
   auto streamed = [&](size_t part, size_t layer) { return stream.empty() ? nullptr : &stream[part * n + layer]; };
   // Whether the gate/up products stream on AMX tiles this step, and so carry their activation.
-  const bool fused_activation =
-      std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() && tokens <= stream_rows && kind == 2;
+  const bool fused_activation = std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() &&
+                                tokens <= stream_rows && kind == 2 && extras.activation == 0;
+  const bool sandwich = !extras.pre_ffn_norm.empty();
+  const bool gemma = extras.gemma;
   // The attention's arguments: a layer's caches are the layer's offset into each, q, k and v the
   // fused product's columns (no tensor views: some ten a layer cost more than the checks they
   // stood for, which decode_layers makes once a step).
@@ -211,7 +245,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   for (size_t layer = 0; layer < n; ++layer) {
     {
       LAYER_PART("norm");
-      add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps);
+      add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps, gemma);
     }
     at::Tensor fused;
     {
@@ -223,11 +257,15 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
     scalar_t* f = fused.data_ptr<scalar_t>();
     {
       LAYER_PART("rotary");
+      const bool turn = extras.rotates.empty() || extras.rotates[layer] != 0;
+      const bool local = !extras.local_layers.empty() && extras.local_layers[layer] != 0;
+      const at::Tensor& c = local ? *extras.local_cos : cos;
+      const at::Tensor& s = local ? *extras.local_sin : sin;
       if (q_norm.empty()) {
-        rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads);
+        if (turn) rotate<scalar_t>(f, tokens, width, dim, c, s, heads + kv_heads);
       } else {
-        rotate<scalar_t>(f, tokens, width, dim, cos, sin, heads + kv_heads, q_norm[layer].data_ptr<scalar_t>(),
-                         k_norm[layer].data_ptr<scalar_t>(), heads, static_cast<float>(eps));
+        rotate<scalar_t>(f, tokens, width, dim, c, s, heads + kv_heads, q_norm[layer].data_ptr<scalar_t>(),
+                         k_norm[layer].data_ptr<scalar_t>(), heads, static_cast<float>(eps), gemma, turn);
       }
     }
     {
@@ -243,9 +281,17 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       LAYER_PART("o_product");
       delta = product(attended, o[layer], o_bias.get(layer), packed, streamed(1, layer), stream_rows, kind);
     }
-    {
+    if (sandwich) {
+      // Gemma 2 and 3: the attention's output normalised before the residual add, the MLP's input
+      // by a norm of its own.
       LAYER_PART("norm");
-      add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps);
+      at::Tensor out = at::empty_like(delta);
+      at::Tensor none;
+      add_norm<scalar_t>(delta, none, post_norm[layer], out, eps, gemma);
+      add_norm<scalar_t>(x, out, extras.pre_ffn_norm[layer], normed, eps, gemma);
+    } else {
+      LAYER_PART("norm");
+      add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps, gemma);
     }
     at::Tensor activated;
     const at::Tensor* gate_up_stream = streamed(2, layer);
@@ -262,17 +308,33 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
         LAYER_PART("gate_up_product");
         both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, gate_up_stream, stream_rows, kind);
       }
-      activated = at::empty({tokens, both.size(1) / 2}, x.options());
-      LAYER_PART("silu_mul");
-      silu_mul<scalar_t>(both, activated);
+      const int64_t half = both.size(1) / 2;
+      if (extras.activation == 0) {
+        activated = at::empty({tokens, half}, x.options());
+        LAYER_PART("silu_mul");
+        silu_mul<scalar_t>(both, activated);
+      } else {
+        // GELU (Gemma's tanh approximation, or exact): torch's own kernel, as the Python path
+        // calls it, so the two round alike.
+        LAYER_PART("gelu_mul");
+        activated = at::gelu(both.narrow(1, 0, half), extras.activation == 1 ? "tanh" : "none") *
+                    both.narrow(1, half, half);
+      }
     }
     {
       LAYER_PART("down_product");
       delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows, kind);
     }
+    if (sandwich) {
+      LAYER_PART("norm");
+      at::Tensor out = at::empty_like(delta);
+      at::Tensor none;
+      add_norm<scalar_t>(delta, none, extras.post_ffn_norm[layer], out, eps, gemma);
+      delta = out;
+    }
   }
   at::Tensor out = at::empty_like(x);
-  add_norm<scalar_t>(x, delta, final_norm, out, eps);
+  add_norm<scalar_t>(x, delta, final_norm, out, eps, gemma);
   return out;
 }
 
@@ -287,7 +349,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& sample_v, const at::Tensor& prompt_k, const at::Tensor& prompt_v,
                          const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
                          const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
-                         const at::Tensor& tree_mask, double scale) {
+                         const at::Tensor& tree_mask, double scale, at::TensorList pre_ffn_norm,
+                         at::TensorList post_ffn_norm, bool gemma_norms, int64_t activation, at::IntArrayRef rotates,
+                         const std::optional<at::Tensor>& local_cos, const std::optional<at::Tensor>& local_sin,
+                         at::IntArrayRef local_layers) {
   const size_t n = qkv.size();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [tokens, hidden]");
   TORCH_CHECK(input_norm.size() == n && post_norm.size() == n && o.size() == n && gate_up.size() == n &&
@@ -299,7 +364,17 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "cos and sin are [tokens, head_dim]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos and sin share the activations' dtype");
-  for (at::TensorList list : {input_norm, post_norm})
+  TORCH_CHECK(pre_ffn_norm.size() == post_ffn_norm.size() && (pre_ffn_norm.empty() || pre_ffn_norm.size() == n),
+              "the MLP's input and output norms: one of each per layer, or none");
+  TORCH_CHECK(activation >= 0 && activation <= 2, "activation is 0 (SiLU), 1 (GELU, tanh) or 2 (GELU)");
+  TORCH_CHECK(rotates.empty() || rotates.size() == n, "rotates: one flag per layer, or none");
+  TORCH_CHECK(local_layers.empty() || (local_layers.size() == n && local_cos.has_value() && local_sin.has_value()),
+              "local_layers: one flag per layer with the second rotation's tables, or none");
+  for (const std::optional<at::Tensor>& table : {local_cos, local_sin})
+    TORCH_CHECK(!table.has_value() || (table->sizes() == cos.sizes() && table->strides() == cos.strides() &&
+                                       table->scalar_type() == cos.scalar_type()),
+                "the second rotation's tables are shaped as cos and sin");
+  for (at::TensorList list : {input_norm, post_norm, pre_ffn_norm, post_ffn_norm})
     for (const at::Tensor& w : list)
       TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(1),
                   "norm weights are contiguous [hidden] in the activations' dtype");
@@ -321,17 +396,22 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "the caches are [layers, slots, kv_heads, positions, head_dim], keys and values alike");
   const multispec::AttentionIndex index =
       multispec::attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
+  Extras extras;
+  extras.pre_ffn_norm = pre_ffn_norm, extras.post_ffn_norm = post_ffn_norm;
+  extras.gemma = gemma_norms, extras.activation = activation;
+  extras.rotates = rotates, extras.local_layers = local_layers;
+  if (local_cos.has_value()) extras.local_cos = &*local_cos, extras.local_sin = &*local_sin;
   at::Tensor hidden = x.clone();  // the residual stream, updated in place
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
                            down, down_bias, final_norm, packed, stream, stream_rows, q_norm, k_norm, heads, kv_heads,
-                           eps, sample_k, sample_v, prompt_k, prompt_v, index, scale);
+                           eps, sample_k, sample_v, prompt_k, prompt_v, index, scale, extras);
     case at::kBFloat16:
       return layers<c10::BFloat16>(hidden, cos, sin, input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up,
                                    gate_up_bias, down, down_bias, final_norm, packed, stream, stream_rows, q_norm,
                                    k_norm, heads, kv_heads, eps, sample_k, sample_v, prompt_k, prompt_v, index,
-                                   scale);
+                                   scale, extras);
     default:
       TORCH_CHECK(false, "decode_layers runs float32 and bfloat16 models");
   }
@@ -576,7 +656,8 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor[] k_norm, int heads, int kv_heads, float eps, "
         "Tensor(a!) sample_k, Tensor(b!) sample_v, Tensor prompt_k, Tensor prompt_v, Tensor sample_slot, "
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
-        "float scale) -> Tensor");
+        "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, bool gemma_norms, int activation, "
+        "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers) -> Tensor");
   m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
         "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "
         "int stream_rows, int heads, int kv_heads, float eps, Tensor cos, Tensor sin, int group, Tensor past_k, "

@@ -204,10 +204,11 @@ class ModelConfig:
 
     @property
     def compiled_stack(self) -> bool:
-        """Whether the compiled decode layer stack computes this network (SiLU MLPs, plain norms,
-        every layer rotated alike; the layer-by-layer path computes the rest)."""
-        return (self.hidden_act == "silu" and not (self.gemma_norms or self.sandwich_norms or self.post_norms)
-                and all(self.rope_layers) and self.local_rope_theta is None)
+        """Whether the compiled decode layer stack computes this network: every architecture but
+        OLMo 2's norms on the blocks' outputs and q/k norms across all heads (the layer-by-layer
+        path computes those). Gemma 2's capped scores leave it too, by their attention, which no
+        compiled kernel runs."""
+        return not (self.post_norms or self.qk_norm_whole)
 
     def layer_window(self, layer: int) -> int | None:
         """The number of positions a query of ``layer`` sees (None: the whole sequence)."""

@@ -244,6 +244,8 @@ class SelfAttention(nn.Module):
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 """The MLP gate's activation for each ``hidden_act`` a config may name."""
+STACK_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+"""Each activation's number in the compiled layer stack (``decode_layers``' ``activation``)."""
 
 
 class MLP(nn.Module):
@@ -498,15 +500,19 @@ class LlamaForCausalLM(nn.Module):
         cos_table, sin_table = self.rope_tables(end)
         cos, sin = cos_table[positions], sin_table[positions]
         x = self.model.embed(token_ids)
-        stack = self._compiled_stack(attention, x.shape[0])
-        if stack is not None:
-            op, weights, args = stack
-            return op(x, cos, sin, *weights, *args)
-        rotations = [(cos, sin)] * len(self.model.layers)
         config = self.config
+        local = None
         if config.local_rope_theta is not None:  # Gemma 3: the windowed layers rotate by their own base
             local_cos, local_sin = self.rope_tables(end, local=True)
             local = (local_cos[positions], local_sin[positions])
+        stack = self._compiled_stack(attention, x.shape[0])
+        if stack is not None:
+            op, weights, args = stack
+            pre_ffn, post_ffn, gemma, activation, rotates, local_layers = self._stack_extras
+            return op(x, cos, sin, *weights, *args, pre_ffn, post_ffn, gemma, activation, rotates,
+                      *(local if local is not None else (None, None)), local_layers)
+        rotations = [(cos, sin)] * len(self.model.layers)
+        if local is not None:
             rotations = [local if config.layer_window(i) is not None else rotation
                          for i, rotation in enumerate(rotations)]
         for layer, (cos, sin) in zip(self.model.layers, rotations):
@@ -542,6 +548,14 @@ class LlamaForCausalLM(nn.Module):
                 config.num_attention_heads, config.num_key_value_heads, float(config.rms_norm_eps))
             self._stack_affine = [p[i].affine for i in range(4) for p in products] if all(
                 p[i].affine is not None for p in products for i in range(4)) else []
+            sandwich = config.sandwich_norms
+            self._stack_extras = (
+                [layer.pre_feedforward_layernorm.weight for layer in layers] if sandwich else [],
+                [layer.post_feedforward_layernorm.weight for layer in layers] if sandwich else [],
+                config.gemma_norms, STACK_ACTIVATIONS[config.hidden_act],
+                [int(flag) for flag in config.rope_layers],
+                [int(config.layer_window(i) is not None) for i in range(len(layers))]
+                if config.local_rope_theta is not None else [])
         # The streaming products' row limit, read now: MULTISPEC_AMX / MULTISPEC_STREAM / MULTISPEC_AFFINE
         # may switch it. Integer blocks where every product has them and the step's rows are within
         # their limit, else the streaming layout.

@@ -117,8 +117,32 @@ WINDOW = 16
 that the window cuts what the prompt's own rows see and what every generated token sees."""
 
 
+def save_gemma(directory):
+    """Gemma's kind of checkpoint, small: norms by 1 + weight, GELU's tanh approximation, heads
+    wider than hidden / heads."""
+    return save_model(directory, "Gemma", 5, norms=True, sharpen=8, head_dim=32, pad_token_id=0)
+
+
+def save_gemma3_wide(directory):
+    """Gemma 3's kind as above with windows past every sequence here: its decode steps run the
+    compiled layer stack (norms around each block, q/k norms, the second rotation)."""
+    return save_model(directory, "Gemma3", 10, norms=True, sharpen=8, head_dim=16, sliding_window=200,
+                      layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0,
+                      rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0)
+
+
+def save_smollm3_wide(directory):
+    """SmolLM3's kind without a window: its decode steps run the compiled layer stack, the
+    unrotated layer left alone."""
+    return save_model(directory, "SmolLM3", 6, sharpen=8, no_rope_layer_interval=2, pad_token_id=0)
+
+
 KINDS = {"phi3": save_phi3, "gemma2": save_gemma2, "gemma3": save_gemma3, "smollm3": save_smollm3,
-         "mistral": save_mistral}
+         "mistral": save_mistral, "gemma": save_gemma, "gemma3-wide": save_gemma3_wide,
+         "smollm3-wide": save_smollm3_wide}
+STACKED = ("phi3", "gemma", "gemma3-wide", "smollm3-wide")
+"""The kinds whose decode steps run the compiled layer stack (no window reached, no capped scores;
+Phi-3's window of 200 is past every sequence here)."""
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -132,7 +156,7 @@ def test_generates_what_transformers_generates(tmp_path, kind):
     llm = LLM(str(tmp_path), device="cpu", dtype="float32")
     assert llm.config.architecture == type(hf).__name__
     prompt = llm.tokenizer.encode("The lazy dog jumps over the quick brown fox. Hello world! def f(x): return x")
-    assert len(prompt) > WINDOW
+    assert len(prompt) > WINDOW and len(prompt) + TOKENS < 200
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS,
                           eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
@@ -149,6 +173,7 @@ def test_generates_what_transformers_generates(tmp_path, kind):
     drafted = llm.generate([{"prompt_token_ids": prompt}], params, spec=spec, use_tqdm=False)[0]
     assert [list(c.token_ids) for c in drafted.outputs] == [want, want]
     assert llm.last_stats.accepted_tokens > 0
+    assert (llm.engine.model._stack_weights is not None) == (kind in STACKED)  # which path the steps ran
     if kind == "phi3":  # the original length bounds the sequence: 4 tokens after a prompt 4 short of it
         out = llm.generate([{"prompt_token_ids": list(range(10, 70))}],
                            SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]

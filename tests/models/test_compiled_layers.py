@@ -40,6 +40,15 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
         hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
             **common, partial_rotary_factor=0.5, rope_scaling=rope, original_max_position_embeddings=128,
             pad_token_id=0))
+    elif kind == "gemma":  # norms by 1 + weight, GELU's tanh approximation, embeddings scaled
+        hf = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16, pad_token_id=0))
+    elif kind == "gemma3":  # norms around each block, q/k norms, a second rotation on windowed layers, a scale
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(   # folded into q's norm
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=200, sliding_window_pattern=2,
+            rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0))
+    elif kind == "smollm3":  # every second layer unrotated
+        hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**common, no_rope_layer_interval=2,
+                                                                        pad_token_id=0))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=kind == "llama-bias",
                                                                     mlp_bias=kind == "llama-bias"))
@@ -79,7 +88,7 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
     return logits, cache.sample_k.clone(), cache.sample_v.clone()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "smollm3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):
