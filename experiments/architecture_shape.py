@@ -10,9 +10,9 @@ the reference kernel, since no fused kernel caps scores), ``--arch olmo2`` OLMo-
 layers, hidden 2048, 16 heads of 128, a 100,352-token untied head; its decode steps run layer by
 layer, its attention through the compiled kernel), ``--arch gemma3`` Gemma-3-1B (26 layers,
 hidden 1152, 4 query heads of 256 over one KV head, a 262,144-token tied head, five of every six
-layers windowed to 512 positions and rotated by their own base; its decode steps run layer by layer,
-the attention through the compiled kernel until a sequence passes 512 positions, then the windowed
-layers through the portable attention: ``--prompt-tokens 600`` times that). The weights are transformers' random
+layers windowed to 512 positions and rotated by their own base; its decode steps run the compiled
+layer stack until a sequence passes 512 positions, then layer by layer with the windowed layers
+through the portable attention: ``--prompt-tokens 600`` times that). The weights are transformers' random
 initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
 ``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the
 same number of tokens. tokens/s = generated tokens / wall seconds of the call; medians of

@@ -1,0 +1,83 @@
+"""Plain decode steps of Gemma 3 shapes with the compiled layer stack against the layers one by one
+from Python (the compiled attention in both), alternating in one process.
+
+The compiled stack (``multispec/kernels/decode_layers.cpp``) runs Gemma's norms (by 1 + weight,
+around each block), GELU gates and Gemma 3's second rotation; before it did, these models' decode
+steps ran layer by layer. This times what that saves on the shapes of Gemma-3-270M (18 layers,
+hidden 640) and Gemma-3-1B (26 layers, hidden 1152), both with 4 query heads of 256 over one KV
+head and a 262,144-token tied head, transformers' random initialisation, bf16: one request of
+``--samples`` samples after a 100-token prompt (within the 512-position windows), ``--warm`` steps
+into the answers, then ``--steps`` rounds of one step each way.
+
+    python experiments/stack_architectures.py --shape 270m,1b --samples 4,16 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from multispec import LLM, SamplingParams, kernels
+
+COMMON = dict(vocab_size=262144, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+              max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512, rope_theta=1000000.0,
+              rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+              eos_token_id=None, pad_token_id=0)
+SHAPES = {"270m": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18),
+          "1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26)}
+
+
+def write_checkpoint(directory: Path, shape: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(**COMMON, **SHAPES[shape])
+    transformers.Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(COMMON["vocab_size"])}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="270m,1b")
+    parser.add_argument("--samples", default="4,16")
+    parser.add_argument("--steps", type=int, default=40, help="timed rounds (one step each way)")
+    parser.add_argument("--warm", type=int, default=30, help="steps before timing")
+    args = parser.parse_args()
+    if kernels.decode_layers() is None:
+        raise SystemExit("the compiled kernels are not built here")
+    for shape in args.shape.split(","):
+        with tempfile.TemporaryDirectory() as directory:
+            write_checkpoint(Path(directory), shape)
+            llm = LLM(directory, dtype="bfloat16", kv_cache_memory=2.0)
+            engine, model = llm.engine, llm.engine.model
+            for batch in (int(b) for b in args.samples.split(",")):
+                engine.add_request(f"r{batch}", list(range(1000, 1100)), SamplingParams(
+                    n=batch, temperature=0.7, max_tokens=args.warm + 2 * args.steps + 8, ignore_eos=True, seed=0))
+                for _ in range(args.warm):
+                    engine.step()
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for _ in range(args.steps):
+                    for stack in (True, False):
+                        model.compiled_layers = stack
+                        start = time.perf_counter()
+                        engine.step()
+                        times[stack].append(time.perf_counter() - start)
+                model.compiled_layers = True
+                engine.abort(f"r{batch}")
+                stacked, layered = (1e3 * statistics.median(times[k]) for k in (True, False))
+                print(f"Gemma-3-{shape} shape, {batch:3d} samples: stack {stacked:6.1f} ms a step, layer by layer "
+                      f"{layered:6.1f} ms; layer by layer / stack {layered / stacked:.3f}", flush=True)
+            del llm, engine, model
+
+
+if __name__ == "__main__":
+    main()
