@@ -11,8 +11,9 @@ llama.cpp's converter ships in llama-cpp-python's source distribution (``pip dow
 llama-cpp-python==0.3.36 --no-deps --no-binary :all:``, then unpack ``vendor/llama.cpp``). The tiny
 checkpoints' byte-level tokenizer is none the converter knows by its hash, so the converter is
 told to call its pre-tokenizer "gpt-2" and to write Gemma's, Gemma 2's and Phi-3's vocabularies
-as byte-level ones (it looks for a SentencePiece file); the tensors and the model's metadata are the converter's own. The
-converter needs ``sentencepiece`` importable (``pip install sentencepiece``, here or on PYTHONPATH).
+as byte-level ones (it looks for a SentencePiece file); the tensors and the model's metadata are
+the converter's own. The converter needs ``sentencepiece`` importable (``pip install
+sentencepiece``, here or on PYTHONPATH).
 
     python experiments/llama_cpp_gguf.py --llama-cpp /path/to/vendor/llama.cpp [--outtype q8_0]
 """

@@ -54,10 +54,11 @@ class LLM:
     """A loaded model that draws n samples per prompt.
 
     ``model`` is a registered name (default ``smollm2-135m-instruct``), a Hugging Face checkpoint
-    directory, a Hub repository id in the local cache or a ``.gguf`` file. ``spec`` is the default speculation setting of every
-    ``generate`` call (plain decoding when omitted). ``kv_cache_memory`` (GiB) is the KV cache,
-    reserved once here and touched only as slots are used; a request that cannot fit even alone
-    is refused before it runs, and requests that fit only one after another wait for their turn.
+    directory, a Hub repository id in the local cache or a ``.gguf`` file. ``spec`` is the default
+    speculation setting of every ``generate`` call (plain decoding when omitted).
+    ``kv_cache_memory`` (GiB) is the KV cache, reserved once here and touched only as slots are
+    used; a request that cannot fit even alone is refused before it runs, and requests that fit
+    only one after another wait for their turn.
     ``device``: where the weights, the KV cache and verification live ("auto": the first CUDA GPU
     if there is one, else the CPU); drafting always runs on the CPU. ``dtype`` of the weights, the
     activations and the KV cache ("auto": bfloat16 where the hardware computes it natively, see

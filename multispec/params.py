@@ -283,8 +283,9 @@ class SpecConfig:
     copied too and the whole tree verified deterministically). ``draft_model`` is a draft head
     file over the target's features (None: the head the registry pairs with the target), or a
     causal LM that shares the target's tokenizer (a checkpoint directory, a ``.gguf`` file, a
-    Hub repository id in the local cache or a known model name), run with its own KV cache. ``num_candidates`` candidates are drawn at the
-    root, each extended as a chain up to ``max_draft_tokens``; ``decision_threshold`` stops a chain
+    Hub repository id in the local cache or a known model name), run with its own KV cache.
+    ``num_candidates`` candidates are drawn at the root, each extended as a chain up to
+    ``max_draft_tokens``; ``decision_threshold`` stops a chain
     where its next token's predicted chance of acceptance (a head's decision model; a draft LM's
     probability of its likeliest next token) falls below it (None: the head's recommended
     threshold, none for a draft LM; 0: always the full depth).
