@@ -1,7 +1,8 @@
 // A decode step's whole layer stack in one call, for the CPU: every decoder layer of a Llama-family
 // model over the step's packed tokens, then the final norm. Gemma's norms (by 1 + weight, around
-// each block for Gemma 2 and 3), GELU gates, SmolLM3's unrotated layers and Gemma 3's second
-// rotation run here too (``Extras``); OLMo 2's norms do not.
+// each block for Gemma 2 and 3), GELU gates, SmolLM3's unrotated layers, Gemma 3's second
+// rotation and OLMo 2's norms (on the blocks' outputs, and on q and k whole) run here too
+// (``Extras``).
 //
 // At a few samples in flight the matrix products of a step stream the weights once and are near
 // their floor; what makes the step cost twice that is everything between them: some thirty small
@@ -51,12 +52,23 @@ using multispec_kernels::widen;
 
 constexpr int64_t GRAIN = 8;  // rows per task of the element-wise loops
 
-// x += delta (rounded to scalar_t, as the residual add of the Python path), then
-// out = weight * round(x * rsqrt(mean(x^2) + eps)), rounded; ``gemma``: Gemma's norm,
-// round(x * rsqrt(mean(x^2) + eps) * (1 + weight)) in float32. delta may be undefined (no add).
+// How a norm scales its normalised row, as the Python path's RMSNorm does: Llama's weight *
+// round(normalised), rounded; Gemma's round(normalised * (1 + weight)) in float32; OLMo 2's
+// round(normalised * weight) in float32.
+enum NormKind : int64_t { LLAMA_NORM = 0, GEMMA_NORM = 1, FLOAT32_NORM = 2 };
+
+template <typename scalar_t>
+inline scalar_t scaled(float normalised, scalar_t weight, int64_t kind) {
+  if (kind == GEMMA_NORM) return narrow_to<scalar_t>(normalised * (1.0f + widen(weight)));
+  if (kind == FLOAT32_NORM) return narrow_to<scalar_t>(normalised * widen(weight));
+  return narrow_to<scalar_t>(widen(weight) * rounded<scalar_t>(normalised));
+}
+
+// x += delta (rounded to scalar_t, as the residual add of the Python path), then out = the norm of
+// x (``kind``, see NormKind) over rsqrt(mean(x^2) + eps). delta may be undefined (no add).
 template <typename scalar_t>
 void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, at::Tensor& out, double eps,
-              bool gemma = false) {
+              int64_t kind = LLAMA_NORM) {
   const int64_t rows = x.size(0), n = x.size(1);
   scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* dp = delta.defined() ? delta.data_ptr<scalar_t>() : nullptr;
@@ -81,40 +93,42 @@ void add_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, 
       for (int64_t i = 0; i < n; ++i) squares += v[i] * v[i];
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
       scalar_t* o = op + r * n;
-      if (gemma) {
-        for (int64_t i = 0; i < n; ++i) o[i] = narrow_to<scalar_t>(v[i] * inv * (1.0f + widen(wp[i])));
-      } else {
-        for (int64_t i = 0; i < n; ++i) o[i] = narrow_to<scalar_t>(widen(wp[i]) * rounded<scalar_t>(v[i] * inv));
-      }
+      for (int64_t i = 0; i < n; ++i) o[i] = scaled<scalar_t>(v[i] * inv, wp[i], kind);
     }
   });
 }
 
-// One head of ``dim`` values in place: weight * round(x * rsqrt(mean(x^2) + eps)), rounded (the
-// RMSNorm of the Python path over the head); ``gemma``: Gemma's, as in add_norm.
+// x += delta in place, each sum rounded (a residual add with no norm after it: OLMo 2's).
 template <typename scalar_t>
-inline void norm_head(scalar_t* x, const scalar_t* weight, int64_t dim, float eps, bool gemma) {
+void add_to(at::Tensor& x, const at::Tensor& delta) {
+  const int64_t count = x.numel();
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* dp = delta.data_ptr<scalar_t>();
+  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) xp[i] = narrow_to<scalar_t>(widen(xp[i]) + widen(dp[i]));
+  });
+}
+
+// ``dim`` values in place (a head, or OLMo 2's whole q or k): the RMSNorm of the Python path over
+// them, of ``kind`` (see NormKind).
+template <typename scalar_t>
+inline void norm_head(scalar_t* x, const scalar_t* weight, int64_t dim, float eps, int64_t kind) {
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
   for (int64_t d = 0; d < dim; ++d) squares += widen(x[d]) * widen(x[d]);
   const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
-  if (gemma) {
-    for (int64_t d = 0; d < dim; ++d) x[d] = narrow_to<scalar_t>(widen(x[d]) * inv * (1.0f + widen(weight[d])));
-  } else {
-    for (int64_t d = 0; d < dim; ++d)
-      x[d] = narrow_to<scalar_t>(widen(weight[d]) * rounded<scalar_t>(widen(x[d]) * inv));
-  }
+  for (int64_t d = 0; d < dim; ++d) x[d] = scaled<scalar_t>(widen(x[d]) * inv, weight[d], kind);
 }
 
 // Rotates the first ``heads`` heads of each of the ``rows`` rows of qkv (``rs`` elements apart, heads
 // ``dim`` apart) in place (the halves layout): x * cos + rotate_half(x) * sin, each product and the
-// sum rounded as in the Python path. With ``q_norm`` and ``k_norm`` (Qwen3; Gemma 3's with
-// ``gemma``), each head is first RMS-normalised, the first ``q_heads`` by ``q_norm``, the rest by
+// sum rounded as in the Python path. With ``q_norm`` and ``k_norm`` (Qwen3; Gemma 3's of ``kind``
+// GEMMA_NORM), each head is first RMS-normalised, the first ``q_heads`` by ``q_norm``, the rest by
 // ``k_norm``. ``turn`` false (SmolLM3's unrotated layers): the norms only.
 template <typename scalar_t>
 void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor& cos, const at::Tensor& sin,
             int64_t heads, const scalar_t* q_norm = nullptr, const scalar_t* k_norm = nullptr, int64_t q_heads = 0,
-            float eps = 0.0f, bool gemma = false, bool turn = true) {
+            float eps = 0.0f, int64_t kind = LLAMA_NORM, bool turn = true) {
   const int64_t half = dim / 2, hs = dim;
   const scalar_t* cp = cos.data_ptr<scalar_t>();
   const scalar_t* sp = sin.data_ptr<scalar_t>();
@@ -130,7 +144,7 @@ void rotate(scalar_t* p, int64_t rows, int64_t rs, int64_t dim, const at::Tensor
       }
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* x = p + r * rs + h * hs;
-        if (q_norm != nullptr) norm_head(x, h < q_heads ? q_norm : k_norm, dim, eps, gemma);
+        if (q_norm != nullptr) norm_head(x, h < q_heads ? q_norm : k_norm, dim, eps, kind);
         if (!turn) continue;
         for (int64_t d = 0; d < half; ++d) {
           const float a = widen(x[d]), b = widen(x[d + half]);
@@ -186,13 +200,16 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::opt
 // What other members of the family add to Llama's layer (each empty or off for Llama's own):
 // Gemma 2's and 3's norms around each block (``pre_ffn_norm``: the MLP's input norm, where
 // ``post_norm`` then normalises the attention's output; ``post_ffn_norm``: the MLP's output),
-// Gemma's norms by 1 + weight in float32 (``gemma``), the gate's activation (0 SiLU, 1 GELU's
-// tanh approximation, 2 GELU), which layers rotate q and k (``rotates``: SmolLM3 leaves every
-// fourth alone) and which rotate by the second table (``local_layers``, ``local_cos``/``local_sin``:
-// Gemma 3's windowed layers).
+// OLMo 2's norms on the blocks' outputs only (``post_only``: no norm before attention or MLP;
+// ``post_norm`` and ``post_ffn_norm`` normalise their outputs) and on q and k across all their
+// heads (``qk_whole``: ``q_norm`` and ``k_norm`` are that wide), the norms' kind (``norm_kind``,
+// see NormKind), the gate's activation (0 SiLU, 1 GELU's tanh approximation, 2 GELU), which
+// layers rotate q and k (``rotates``: SmolLM3 leaves every fourth alone) and which rotate by the
+// second table (``local_layers``, ``local_cos``/``local_sin``: Gemma 3's windowed layers).
 struct Extras {
   at::TensorList pre_ffn_norm, post_ffn_norm;
-  bool gemma = false;
+  int64_t norm_kind = LLAMA_NORM;
+  bool post_only = false, qk_whole = false;
   int64_t activation = 0;
   at::IntArrayRef rotates, local_layers;
   const at::Tensor* local_cos = nullptr;
@@ -226,7 +243,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   const bool fused_activation = std::is_same_v<scalar_t, c10::BFloat16> && !stream.empty() &&
                                 tokens <= stream_rows && kind == 2 && extras.activation == 0;
   const bool sandwich = !extras.pre_ffn_norm.empty();
-  const bool gemma = extras.gemma;
+  const bool post_only = extras.post_only;
+  const int64_t norm_kind = extras.norm_kind;
   // The attention's arguments: a layer's caches are the layer's offset into each, q, k and v the
   // fused product's columns (no tensor views: some ten a layer cost more than the checks they
   // stood for, which decode_layers makes once a step).
@@ -243,14 +261,18 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
                                      cache.stride(1), cache.stride(2), cache.stride(3)};
   };
   for (size_t layer = 0; layer < n; ++layer) {
-    {
+    if (post_only) {  // OLMo 2: the block reads the residual stream itself
+      LAYER_PART("residual");
+      if (delta.defined()) add_to<scalar_t>(x, delta);
+    } else {
       LAYER_PART("norm");
-      add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps, gemma);
+      add_norm<scalar_t>(x, delta, input_norm[layer], normed, eps, norm_kind);
     }
     at::Tensor fused;
     {
       LAYER_PART("qkv_product");
-      fused = product(normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer), stream_rows, kind);
+      fused = product(post_only ? x : normed, qkv[layer], qkv_bias.get(layer), packed, streamed(0, layer),
+                      stream_rows, kind);
       TORCH_CHECK(fused.is_contiguous() && fused.size(1) == width, "the q/k/v product is contiguous [tokens, ", width,
                   "]");
     }
@@ -261,11 +283,21 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       const bool local = !extras.local_layers.empty() && extras.local_layers[layer] != 0;
       const at::Tensor& c = local ? *extras.local_cos : cos;
       const at::Tensor& s = local ? *extras.local_sin : sin;
-      if (q_norm.empty()) {
+      if (extras.qk_whole) {  // OLMo 2: q and k each normalised across all their heads, then rotated
+        const scalar_t* qn = q_norm[layer].data_ptr<scalar_t>();
+        const scalar_t* kn = k_norm[layer].data_ptr<scalar_t>();
+        at::parallel_for(0, tokens, GRAIN, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            norm_head(f + r * width, qn, heads * dim, static_cast<float>(eps), norm_kind);
+            norm_head(f + r * width + heads * dim, kn, kv_heads * dim, static_cast<float>(eps), norm_kind);
+          }
+        });
+      }
+      if (q_norm.empty() || extras.qk_whole) {
         if (turn) rotate<scalar_t>(f, tokens, width, dim, c, s, heads + kv_heads);
       } else {
         rotate<scalar_t>(f, tokens, width, dim, c, s, heads + kv_heads, q_norm[layer].data_ptr<scalar_t>(),
-                         k_norm[layer].data_ptr<scalar_t>(), heads, static_cast<float>(eps), gemma, turn);
+                         k_norm[layer].data_ptr<scalar_t>(), heads, static_cast<float>(eps), norm_kind, turn);
       }
     }
     {
@@ -281,18 +313,23 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       LAYER_PART("o_product");
       delta = product(attended, o[layer], o_bias.get(layer), packed, streamed(1, layer), stream_rows, kind);
     }
-    if (sandwich) {
-      // Gemma 2 and 3: the attention's output normalised before the residual add, the MLP's input
-      // by a norm of its own.
+    if (sandwich || post_only) {
+      // Gemma 2 and 3, OLMo 2: the attention's output normalised before the residual add; Gemma's
+      // MLP input by a norm of its own, OLMo 2's the residual stream itself.
       LAYER_PART("norm");
       at::Tensor out = at::empty_like(delta);
       at::Tensor none;
-      add_norm<scalar_t>(delta, none, post_norm[layer], out, eps, gemma);
-      add_norm<scalar_t>(x, out, extras.pre_ffn_norm[layer], normed, eps, gemma);
+      add_norm<scalar_t>(delta, none, post_norm[layer], out, eps, norm_kind);
+      if (post_only) {
+        add_to<scalar_t>(x, out);
+      } else {
+        add_norm<scalar_t>(x, out, extras.pre_ffn_norm[layer], normed, eps, norm_kind);
+      }
     } else {
       LAYER_PART("norm");
-      add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps, gemma);
+      add_norm<scalar_t>(x, delta, post_norm[layer], normed, eps, norm_kind);
     }
+    const at::Tensor& mlp_in = post_only ? x : normed;
     at::Tensor activated;
     const at::Tensor* gate_up_stream = streamed(2, layer);
     if (fused_activation) {
@@ -301,12 +338,12 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       // stack streams every product or none, so the down product's I is a multiple of 32 and the
       // up half starts on a panel.)
       LAYER_PART("gate_up_silu");
-      activated = multispec::stream_gate_up_on(normed, *gate_up_stream, gate_up_bias.get(layer), kind);
+      activated = multispec::stream_gate_up_on(mlp_in, *gate_up_stream, gate_up_bias.get(layer), kind);
     } else {
       at::Tensor both;
       {
         LAYER_PART("gate_up_product");
-        both = product(normed, gate_up[layer], gate_up_bias.get(layer), packed, gate_up_stream, stream_rows, kind);
+        both = product(mlp_in, gate_up[layer], gate_up_bias.get(layer), packed, gate_up_stream, stream_rows, kind);
       }
       const int64_t half = both.size(1) / 2;
       if (extras.activation == 0) {
@@ -325,16 +362,16 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
       LAYER_PART("down_product");
       delta = product(activated, down[layer], down_bias.get(layer), packed, streamed(3, layer), stream_rows, kind);
     }
-    if (sandwich) {
+    if (sandwich || post_only) {
       LAYER_PART("norm");
       at::Tensor out = at::empty_like(delta);
       at::Tensor none;
-      add_norm<scalar_t>(delta, none, extras.post_ffn_norm[layer], out, eps, gemma);
+      add_norm<scalar_t>(delta, none, extras.post_ffn_norm[layer], out, eps, norm_kind);
       delta = out;
     }
   }
   at::Tensor out = at::empty_like(x);
-  add_norm<scalar_t>(x, delta, final_norm, out, eps, gemma);
+  add_norm<scalar_t>(x, delta, final_norm, out, eps, norm_kind);
   return out;
 }
 
@@ -350,12 +387,17 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
                          const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
                          const at::Tensor& tree_mask, double scale, at::TensorList pre_ffn_norm,
-                         at::TensorList post_ffn_norm, bool gemma_norms, int64_t activation, at::IntArrayRef rotates,
+                         at::TensorList post_ffn_norm, int64_t norm_kind, bool post_only, bool qk_whole,
+                         int64_t activation, at::IntArrayRef rotates,
                          const std::optional<at::Tensor>& local_cos, const std::optional<at::Tensor>& local_sin,
                          at::IntArrayRef local_layers) {
   const size_t n = qkv.size();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [tokens, hidden]");
-  TORCH_CHECK(input_norm.size() == n && post_norm.size() == n && o.size() == n && gate_up.size() == n &&
+  TORCH_CHECK(norm_kind >= LLAMA_NORM && norm_kind <= FLOAT32_NORM, "norm_kind is 0 (Llama), 1 (Gemma) or 2 (float32)");
+  TORCH_CHECK(!post_only || (input_norm.empty() && pre_ffn_norm.empty() && post_ffn_norm.size() == n),
+              "post_only: no input norms, and a norm of each block's output");
+  TORCH_CHECK((post_only ? input_norm.empty() : input_norm.size() == n) && post_norm.size() == n && o.size() == n &&
+                  gate_up.size() == n &&
                   down.size() == n && qkv_bias.size() == n && o_bias.size() == n && gate_up_bias.size() == n &&
                   down_bias.size() == n && sample_k.size(0) == static_cast<int64_t>(n),
               "one entry per layer in every weight list and in the caches");
@@ -364,7 +406,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "cos and sin are [tokens, head_dim]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos and sin share the activations' dtype");
-  TORCH_CHECK(pre_ffn_norm.size() == post_ffn_norm.size() && (pre_ffn_norm.empty() || pre_ffn_norm.size() == n),
+  TORCH_CHECK(post_only || (pre_ffn_norm.size() == post_ffn_norm.size() &&
+                            (pre_ffn_norm.empty() || pre_ffn_norm.size() == n)),
               "the MLP's input and output norms: one of each per layer, or none");
   TORCH_CHECK(activation >= 0 && activation <= 2, "activation is 0 (SiLU), 1 (GELU, tanh) or 2 (GELU)");
   TORCH_CHECK(rotates.empty() || rotates.size() == n, "rotates: one flag per layer, or none");
@@ -382,10 +425,16 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                   final_norm.numel() == x.size(1), "the final norm's weight is contiguous [hidden]");
   TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
               "q and k norms: one of each per layer, or none");
-  for (at::TensorList list : {q_norm, k_norm})
-    for (const at::Tensor& w : list)
-      TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == sample_k.size(-1),
-                  "q and k norm weights are contiguous [head_dim] in the activations' dtype");
+  TORCH_CHECK(!qk_whole || !q_norm.empty(), "qk_whole needs q and k norms");
+  const int64_t head_dim = sample_k.size(-1);
+  for (size_t i = 0; i < q_norm.size(); ++i)
+    for (int64_t which = 0; which < 2; ++which) {
+      const at::Tensor& w = which == 0 ? q_norm[i] : k_norm[i];
+      const int64_t width = qk_whole ? (which == 0 ? heads : kv_heads) * head_dim : head_dim;
+      TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == width,
+                  "q and k norm weights are contiguous [head_dim] (qk_whole: [heads * head_dim]) in the "
+                  "activations' dtype");
+    }
   // What the attention checks at every call of its operator, once for the step's thirty.
   TORCH_CHECK(sample_k.device().is_cpu() && sample_v.device().is_cpu() && prompt_k.device().is_cpu() &&
                   prompt_v.device().is_cpu(), "the caches are on the CPU");
@@ -398,7 +447,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
       multispec::attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
   Extras extras;
   extras.pre_ffn_norm = pre_ffn_norm, extras.post_ffn_norm = post_ffn_norm;
-  extras.gemma = gemma_norms, extras.activation = activation;
+  extras.norm_kind = norm_kind, extras.post_only = post_only, extras.qk_whole = qk_whole;
+  extras.activation = activation;
   extras.rotates = rotates, extras.local_layers = local_layers;
   if (local_cos.has_value()) extras.local_cos = &*local_cos, extras.local_sin = &*local_sin;
   at::Tensor hidden = x.clone();  // the residual stream, updated in place
@@ -656,7 +706,8 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor[] k_norm, int heads, int kv_heads, float eps, "
         "Tensor(a!) sample_k, Tensor(b!) sample_v, Tensor prompt_k, Tensor prompt_v, Tensor sample_slot, "
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
-        "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, bool gemma_norms, int activation, "
+        "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, int norm_kind, bool post_only, bool qk_whole, "
+        "int activation, "
         "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers) -> Tensor");
   m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
         "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "

@@ -202,14 +202,6 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
 
-    @property
-    def compiled_stack(self) -> bool:
-        """Whether the compiled decode layer stack computes this network: every architecture but
-        OLMo 2's norms on the blocks' outputs and q/k norms across all heads (the layer-by-layer
-        path computes those). Gemma 2's capped scores leave it too, by their attention, which no
-        compiled kernel runs."""
-        return not (self.post_norms or self.qk_norm_whole)
-
     def layer_window(self, layer: int) -> int | None:
         """The number of positions a query of ``layer`` sees (None: the whole sequence)."""
         if self.sliding_window is None or (self.window_layers and not self.window_layers[layer]):

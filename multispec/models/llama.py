@@ -508,9 +508,9 @@ class LlamaForCausalLM(nn.Module):
         stack = self._compiled_stack(attention, x.shape[0])
         if stack is not None:
             op, weights, args = stack
-            pre_ffn, post_ffn, gemma, activation, rotates, local_layers = self._stack_extras
-            return op(x, cos, sin, *weights, *args, pre_ffn, post_ffn, gemma, activation, rotates,
-                      *(local if local is not None else (None, None)), local_layers)
+            *extras, local_layers = self._stack_extras
+            return op(x, cos, sin, *weights, *args, *extras, *(local if local is not None else (None, None)),
+                      local_layers)
         rotations = [(cos, sin)] * len(self.model.layers)
         if local is not None:
             rotations = [local if config.layer_window(i) is not None else rotation
@@ -526,7 +526,7 @@ class LlamaForCausalLM(nn.Module):
         the forward's token count, picks the products' weights: integer blocks up to
         ``affine_rows()`` where every product has them, else the streaming layout (also for None)."""
         args_of = getattr(attention, "kernel_args", None)
-        args = args_of() if args_of is not None and self.compiled_layers and self.config.compiled_stack else None
+        args = args_of() if args_of is not None and self.compiled_layers else None
         if args is None or not self.model.layers[0].self_attn.fused:
             return None
         op = kernels.decode_layers()
@@ -536,23 +536,26 @@ class LlamaForCausalLM(nn.Module):
             layers = self.model.layers
             products = [(layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down) for layer in layers]
             config = self.config
+            post_only = config.post_norms  # OLMo 2: no norm before the blocks
+            qk_norms = config.qk_norm or config.qk_norm_whole  # per head (Qwen3, Gemma 3) or whole (OLMo 2)
             self._stack_weights = (
-                [layer.input_layernorm.weight for layer in layers],
+                [] if post_only else [layer.input_layernorm.weight for layer in layers],
                 [layer.post_attention_layernorm.weight for layer in layers],
                 *[part for i in range(4) for part in ([p[i].weight for p in products], [p[i].bias for p in products])],
                 self.model.norm.weight, bool(products[0][0].packed),
                 [p[i].stream for i in range(4) for p in products] if all(
                     p[i].stream is not None for p in products for i in range(4)) else [],
-                [layer.self_attn.q_norm.weight for layer in layers] if config.qk_norm else [],
-                [layer.self_attn.k_norm.weight for layer in layers] if config.qk_norm else [],
+                [layer.self_attn.q_norm.weight for layer in layers] if qk_norms else [],
+                [layer.self_attn.k_norm.weight for layer in layers] if qk_norms else [],
                 config.num_attention_heads, config.num_key_value_heads, float(config.rms_norm_eps))
             self._stack_affine = [p[i].affine for i in range(4) for p in products] if all(
                 p[i].affine is not None for p in products for i in range(4)) else []
             sandwich = config.sandwich_norms
             self._stack_extras = (
                 [layer.pre_feedforward_layernorm.weight for layer in layers] if sandwich else [],
-                [layer.post_feedforward_layernorm.weight for layer in layers] if sandwich else [],
-                config.gemma_norms, STACK_ACTIVATIONS[config.hidden_act],
+                [layer.post_feedforward_layernorm.weight for layer in layers] if sandwich or post_only else [],
+                1 if config.gemma_norms else 2 if post_only else 0, post_only, config.qk_norm_whole,
+                STACK_ACTIVATIONS[config.hidden_act],
                 [int(flag) for flag in config.rope_layers],
                 [int(config.layer_window(i) is not None) for i in range(len(layers))]
                 if config.local_rope_theta is not None else [])

@@ -137,10 +137,16 @@ def save_smollm3_wide(directory):
     return save_model(directory, "SmolLM3", 6, sharpen=8, no_rope_layer_interval=2, pad_token_id=0)
 
 
+def save_olmo2(directory):
+    """OLMo 2's kind of checkpoint, small: norms on the blocks' outputs only, q and k normalised
+    across all their heads."""
+    return save_model(directory, "Olmo2", 9, norms=True, sharpen=8, pad_token_id=0)
+
+
 KINDS = {"phi3": save_phi3, "gemma2": save_gemma2, "gemma3": save_gemma3, "smollm3": save_smollm3,
          "mistral": save_mistral, "gemma": save_gemma, "gemma3-wide": save_gemma3_wide,
-         "smollm3-wide": save_smollm3_wide}
-STACKED = ("phi3", "gemma", "gemma3-wide", "smollm3-wide")
+         "smollm3-wide": save_smollm3_wide, "olmo2": save_olmo2}
+STACKED = ("phi3", "gemma", "gemma3-wide", "smollm3-wide", "olmo2")
 """The kinds whose decode steps run the compiled layer stack (no window reached, no capped scores;
 Phi-3's window of 200 is past every sequence here)."""
 

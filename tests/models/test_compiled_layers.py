@@ -46,6 +46,8 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
         hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(   # folded into q's norm
             **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=200, sliding_window_pattern=2,
             rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0))
+    elif kind == "olmo2":  # norms on the blocks' outputs only, q and k normalised across all their heads
+        hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=0))
     elif kind == "smollm3":  # every second layer unrotated
         hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**common, no_rope_layer_interval=2,
                                                                         pad_token_id=0))
@@ -88,7 +90,8 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
     return logits, cache.sample_k.clone(), cache.sample_v.clone()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "smollm3",
+                                  "olmo2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):
