@@ -1,15 +1,16 @@
-"""Plain decode steps of Gemma 3 shapes with the compiled layer stack against the layers one by one
-from Python (the compiled attention in both), alternating in one process.
+"""Plain decode steps of Gemma 3 and OLMo 2 shapes with the compiled layer stack against the layers
+one by one from Python (the compiled attention in both), alternating in one process.
 
 The compiled stack (``multispec/kernels/decode_layers.cpp``) runs Gemma's norms (by 1 + weight,
-around each block), GELU gates and Gemma 3's second rotation; before it did, these models' decode
-steps ran layer by layer. This times what that saves on the shapes of Gemma-3-270M (18 layers,
-hidden 640) and Gemma-3-1B (26 layers, hidden 1152), both with 4 query heads of 256 over one KV
-head and a 262,144-token tied head, transformers' random initialisation, bf16: one request of
-``--samples`` samples after a 100-token prompt (within the 512-position windows), ``--warm`` steps
-into the answers, then ``--steps`` rounds of one step each way.
+around each block), GELU gates and Gemma 3's second rotation, and OLMo 2's norms; before it did,
+these models' decode steps ran layer by layer. This times what that saves on the shapes of
+Gemma-3-270M (18 layers, hidden 640) and Gemma-3-1B (26 layers, hidden 1152), both with 4 query
+heads of 256 over one KV head and a 262,144-token tied head, and OLMo-2-0425-1B (16 layers, hidden
+2048, 16 heads of 128, a 100,352-token head), transformers' random initialisation, bf16: one
+request of ``--samples`` samples after a 100-token prompt (within Gemma 3's 512-position windows),
+``--warm`` steps into the answers, then ``--steps`` rounds of one step each way.
 
-    python experiments/stack_architectures.py --shape 270m,1b --samples 4,16 --steps 40
+    python experiments/stack_architectures.py --shape 270m,1b,olmo2-1b --samples 4,16 --steps 40
 """
 
 from __future__ import annotations
@@ -27,19 +28,27 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from multispec import LLM, SamplingParams, kernels
 
-COMMON = dict(vocab_size=262144, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+GEMMA3 = dict(vocab_size=262144, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
               max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512, rope_theta=1000000.0,
               rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
               eos_token_id=None, pad_token_id=0)
-SHAPES = {"270m": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18),
-          "1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26)}
+SHAPES = {
+    "270m": ("Gemma-3-270M", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+             dict(GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18)),
+    "1b": ("Gemma-3-1B", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+           dict(GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26)),
+    "olmo2-1b": ("OLMo-2-0425-1B", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)),
+}
 
 
 def write_checkpoint(directory: Path, shape: str) -> None:
     torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(**COMMON, **SHAPES[shape])
-    transformers.Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(COMMON["vocab_size"])}, unk_token="w0"))
+    _, config_class, model_class, config = SHAPES[shape]
+    model_class(config_class(**config)).to(torch.bfloat16).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config["vocab_size"])}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -74,7 +83,7 @@ def main() -> None:
                 model.compiled_layers = True
                 engine.abort(f"r{batch}")
                 stacked, layered = (1e3 * statistics.median(times[k]) for k in (True, False))
-                print(f"Gemma-3-{shape} shape, {batch:3d} samples: stack {stacked:6.1f} ms a step, layer by layer "
+                print(f"{SHAPES[shape][0]} shape, {batch:3d} samples: stack {stacked:6.1f} ms a step, layer by layer "
                       f"{layered:6.1f} ms; layer by layer / stack {layered / stacked:.3f}", flush=True)
             del llm, engine, model
 
