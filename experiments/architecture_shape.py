@@ -12,7 +12,8 @@ layer, its attention through the compiled kernel), ``--arch gemma3`` Gemma-3-1B 
 hidden 1152, 4 query heads of 256 over one KV head, a 262,144-token tied head, five of every six
 layers windowed to 512 positions and rotated by their own base; its decode steps run the compiled
 layer stack until a sequence passes 512 positions, then layer by layer with the windowed layers
-through the portable attention: ``--prompt-tokens 600`` times that). The weights are transformers' random
+through the portable attention: ``--prompt-tokens 600`` times that), ``--arch gemma3-270m``
+Gemma-3-270M (the same with 18 layers, hidden 640). The weights are transformers' random
 initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
 ``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the
 same number of tokens. tokens/s = generated tokens / wall seconds of the call; medians of
@@ -53,6 +54,11 @@ SHAPES = {
         eos_token_id=None, pad_token_id=0)),
     "gemma3": ("Gemma-3-1B", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
         vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
+        sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)),
+    "gemma3-270m": ("Gemma-3-270M", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
         sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)),

@@ -8,55 +8,31 @@ Gemma-3-270M (18 layers, hidden 640) and Gemma-3-1B (26 layers, hidden 1152), bo
 heads of 256 over one KV head and a 262,144-token tied head, and OLMo-2-0425-1B (16 layers, hidden
 2048, 16 heads of 128, a 100,352-token head), transformers' random initialisation, bf16: one
 request of ``--samples`` samples after a 100-token prompt (within Gemma 3's 512-position windows),
-``--warm`` steps into the answers, then ``--steps`` rounds of one step each way.
+``--warm`` steps into the answers, then ``--steps`` rounds of one step each way. The checkpoints
+are ``experiments/architecture_shape.py``'s.
 
-    python experiments/stack_architectures.py --shape 270m,1b,olmo2-1b --samples 4,16 --steps 40
+    python experiments/stack_architectures.py --shape gemma3-270m,gemma3,olmo2 --samples 4,16 --steps 40
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multispec import LLM, SamplingParams, kernels
+from architecture_shape import SHAPES, write_checkpoint  # noqa: E402  (the same checkpoints of each shape)
 
-GEMMA3 = dict(vocab_size=262144, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-              max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512, rope_theta=1000000.0,
-              rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
-              eos_token_id=None, pad_token_id=0)
-SHAPES = {
-    "270m": ("Gemma-3-270M", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-             dict(GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18)),
-    "1b": ("Gemma-3-1B", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-           dict(GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26)),
-    "olmo2-1b": ("OLMo-2-0425-1B", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
-        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)),
-}
-
-
-def write_checkpoint(directory: Path, shape: str) -> None:
-    torch.manual_seed(0)
-    _, config_class, model_class, config = SHAPES[shape]
-    model_class(config_class(**config)).to(torch.bfloat16).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config["vocab_size"])}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-
+from multispec import LLM, SamplingParams, kernels  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="270m,1b")
+    parser.add_argument("--shape", default="gemma3-270m,gemma3,olmo2",
+                        help="shapes of experiments/architecture_shape.py, comma-separated")
     parser.add_argument("--samples", default="4,16")
     parser.add_argument("--steps", type=int, default=40, help="timed rounds (one step each way)")
     parser.add_argument("--warm", type=int, default=30, help="steps before timing")
