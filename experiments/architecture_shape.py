@@ -11,8 +11,8 @@ layers, hidden 2048, 16 heads of 128, a 100,352-token untied head; its decode st
 layer, its attention through the compiled kernel), ``--arch gemma3`` Gemma-3-1B (26 layers,
 hidden 1152, 4 query heads of 256 over one KV head, a 262,144-token tied head, five of every six
 layers windowed to 512 positions and rotated by their own base; its decode steps run the compiled
-layer stack until a sequence passes 512 positions, then layer by layer with the windowed layers
-through the portable attention: ``--prompt-tokens 600`` times that), ``--arch gemma3-270m``
+layer stack, the windows in its attention: ``--prompt-tokens 600`` times steps past them),
+``--arch gemma3-270m``
 Gemma-3-270M (the same with 18 layers, hidden 640). The weights are transformers' random
 initialisation and the tokenizer a word-level stand-in of the same size. Every sample runs to
 ``--max-tokens`` (ignore_eos; transformers' end token is unset), so both engines generate the

@@ -2,9 +2,10 @@
 weights, see ``architecture_shape.py``) with its windows of 512 positions against the same
 checkpoint with the windows widened past every sequence, the two alternating in one process.
 
-Past the window the windowed layers run the portable attention with a mask per row instead of the
-compiled kernel; without a window every layer runs the compiled kernel over every key. (The two
-compute different models past 512 positions; what is compared is the step's price.) tokens/s =
+Both run the compiled layer stack; past the window the windowed layers' attention reads only the
+window's keys, without one every key. (When this was first measured, windowed layers past their
+window ran the portable attention with a mask per row, layer by layer. The two compute different
+models past 512 positions; what is compared is the step's price.) tokens/s =
 generated tokens / wall seconds of the call; medians of ``--runs`` calls.
 
     .venv/bin/python experiments/window_cost.py --prompt-tokens 600 --runs 3

@@ -135,7 +135,8 @@ class DecodeAttention:
 
     On a CPU where the compiled kernel is built (``multispec.kernels``), one call a layer does it
     all: it writes the new keys and values, and each (sample, kv head) attends to its prompt and
-    its own keys in one float32 softmax, ragged (no padding rows, no parts). 1.25-1.4x faster
+    its own keys in one float32 softmax, ragged (no padding rows, no parts), within the layer's
+    sliding window where it has one (the keys before the window neither scored nor read). 1.25-1.4x faster
     plain steps than the portable path below at 4 to 128 samples (docs/results.md). The portable
     path, for other devices and for steps that attend to a draft model's scratch positions:
 
@@ -169,15 +170,14 @@ class DecodeAttention:
         """The portable path's parts with each row's sliding window, for the layers that have one
         (``ModelConfig.layer_window``), where some row of the step is that far into its sequence;
         None where no window excludes a key this step (every layer then runs as without one)."""
-        window = cache.config.sliding_window
-        windowed = window is not None and int((layout.prompt_len + layout.written + counts).max()) > window
-        if self.op is not None:
+        if self.op is not None:  # (which windows the layers that have one itself)
             slots = torch.arange(batch) if in_place else layout.slots
             self.op_args = tuple(t.to(device, torch.long).contiguous() for t in (
                 slots, offsets, counts, layout.written, layout.prompt_slot, layout.prompt_len)) + (
                 layout.tree_mask.to(device, torch.bool).contiguous(), cache.config.head_dim ** -0.5)
-            if not windowed:
-                return
+            return
+        window = cache.config.sliding_window
+        windowed = window is not None and int((layout.prompt_len + layout.written + counts).max()) > window
         row_sample = torch.repeat_interleave(torch.arange(batch), counts)
         row_index = torch.arange(total) - offsets[row_sample]
         self.row_sample = (row_sample if in_place else layout.slots[row_sample]).to(device)
@@ -194,7 +194,7 @@ class DecodeAttention:
             return [_Part(cache, layout, offsets, torch.arange(batch), 0, self.qmax, in_place, window)]
 
         every_layer = not cache.config.window_layers  # windowed, where there is a window
-        if self.op is None and not (windowed and every_layer):
+        if not (windowed and every_layer):
             self.parts = parts(None)
         if windowed:
             self.window_parts = parts(window)
@@ -203,19 +203,19 @@ class DecodeAttention:
         """What the compiled layer stack (``multispec.kernels.decode_layers``) needs to run this
         step's attention itself: the caches of every layer, then the compiled attention's index
         tensors; None where the step runs the portable path."""
-        if self.op is None or self.window_parts is not None:
+        if self.op is None:
             return None
         cache = self.cache
         return (cache.sample_k, cache.sample_v, cache.prompt_k, cache.prompt_v) + self.op_args
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
+        if self.op is not None:  # writes k and v into the sample slots itself
+            return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
+                           cache.prompt_v[layer], *self.op_args, cache.config.layer_window(layer) or 0)
         parts = self.parts
         if self.window_parts is not None and cache.config.layer_window(layer) is not None:
             parts = self.window_parts
-        elif self.op is not None:  # writes k and v into the sample slots itself
-            return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
-                           cache.prompt_v[layer], *self.op_args)
         cache.sample_k[layer, self.row_sample, :, self.row_cache_pos] = k.to(cache.sample_k.dtype)
         cache.sample_v[layer, self.row_sample, :, self.row_cache_pos] = v.to(cache.sample_v.dtype)
         if len(parts) == 1:

@@ -419,6 +419,7 @@ void run(const multispec::AttentionCall& call) {
   const int64_t* prompt_len = call.index.prompt_len;
   const bool* tree_mask = call.index.tree_mask;
   const double scale = call.scale;
+  const int64_t window = call.window;
   const scalar_t* qp = static_cast<const scalar_t*>(call.q.data);
   const cache_t* okp = static_cast<const cache_t*>(call.own_k.data);
   const cache_t* ovp = static_cast<const cache_t*>(call.own_v.data);
@@ -452,7 +453,9 @@ void run(const multispec::AttentionCall& call) {
   bool amx = false;
   std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && call.amx;
+  // (Not under a sliding window: the tile passes read every key; the vector path skips those out of it.)
+  amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && call.amx &&
+        call.window <= 0;
   if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
     if (amx) {
       const int64_t tokens = call.tokens;
@@ -518,6 +521,7 @@ void run(const multispec::AttentionCall& call) {
   const int value_lines = static_cast<int>(std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(cache_t)) / 64));
   auto work = [&](int64_t part, multispec_kernels::Shares& shares) {
     std::vector<float> qf, scores, acc, totals, row_buf(dim);  // grown once a call, not once an item
+    std::vector<int64_t> lowest;
 #ifdef MULTISPEC_AMX
     std::unique_ptr<multispec_amx::Scratch> scratch;
     if (amx) {
@@ -545,6 +549,31 @@ void run(const multispec::AttentionCall& call) {
       // With AMX the prompt's keys were seen by the tile pass: only the own keys remain.
       const int64_t count = counts[b], old = written[b], plen = amx ? 0 : prompt_len[b];
       const int64_t rows = count * group, own_len = old + count, keys = plen + own_len;
+      // Under a sliding window a row at position p sees the keys at positions p - window + 1 .. p
+      // (a key's position is its index in the row of scores: the prompt's keys, then the sample's
+      // own), the root from plen + old - window + 1 on and each draft node as many further as its
+      // depth in the tree. The keys before the root's first are neither scored nor weighed: the
+      // prompt's from ``prompt_from`` on, the own from ``own_from`` on (each rounded down to a
+      // multiple of sixteen, so that every key is scored in the same block of keys as without a
+      // window); ``first`` is where the scores start, ``lowest[r]`` node r's first key seen.
+      int64_t prompt_from = 0, own_from = 0;
+      if (window > 0) {
+        const int64_t root_first = plen + old - window + 1;
+        if (root_first <= plen) {
+          prompt_from = std::max<int64_t>(0, root_first) & ~int64_t{15};
+        } else {
+          prompt_from = plen;
+          own_from = (root_first - plen) & ~int64_t{15};
+        }
+        lowest.resize(count);
+        const bool* sees = tree_mask + b * qmax * qmax;
+        for (int64_t r = 0; r < count; ++r) {
+          int64_t depth = -1;
+          for (int64_t node = 0; node < count; ++node) depth += sees[r * qmax + node];
+          lowest[r] = plen + old + depth - window + 1;
+        }
+      }
+      const int64_t first = prompt_from < plen ? prompt_from : plen + own_from;
 #ifdef MULTISPEC_AVX2
       // On AVX2 the next item's lines are spread evenly over this item's blocks of eight keys scored
       // and its value rows added. The rates above (tuned on AMX tiles) asked for all of them in the
@@ -648,24 +677,28 @@ void run(const multispec::AttentionCall& call) {
           for (int64_t r = 0; r < count; ++r) {  // one node's query heads are adjacent rows
             const scalar_t* qrow = qp + (offsets[b] + r) * qs0 + h * group * qs1;
             float* s = scores.data() + r * group * keys;
-            score_keys_bf16(qrow, qs1, group, dim, pk, ps2, plen, fscale, s, keys, ahead);
-            score_keys_bf16(qrow, qs1, group, dim, ok, os2, own_len, fscale, s + plen, keys, ahead);
+            score_keys_bf16(qrow, qs1, group, dim, pk + prompt_from * ps2, ps2, plen - prompt_from, fscale,
+                            s + prompt_from, keys, ahead);
+            score_keys_bf16(qrow, qs1, group, dim, ok + own_from * os2, os2, own_len - own_from, fscale,
+                            s + plen + own_from, keys, ahead);
           }
           hide_non_ancestors();
         }
       }
 #endif
 #ifdef MULTISPEC_AVX2
-      if (!fast && score_keys_avx2(qf.data(), rows, dim, pk, ps2, plen, scores.data(), keys, ahead)) {
-        score_keys_avx2(qf.data(), rows, dim, ok, os2, own_len, scores.data() + plen, keys, ahead);
+      if (!fast && score_keys_avx2(qf.data(), rows, dim, pk + prompt_from * ps2, ps2, plen - prompt_from,
+                                   scores.data() + prompt_from, keys, ahead)) {
+        score_keys_avx2(qf.data(), rows, dim, ok + own_from * os2, os2, own_len - own_from,
+                        scores.data() + plen + own_from, keys, ahead);
         hide_non_ancestors();
       } else
 #endif
       if (!fast) {
         auto all = [](int64_t) { return true; };
-        for (int64_t j = 0; j < plen; ++j)
+        for (int64_t j = prompt_from; j < plen; ++j)
           score_key(qf.data(), rows, dim, pk + j * ps2, row_buf.data(), scores.data() + j, keys, all);
-        for (int64_t j = 0; j < old; ++j)
+        for (int64_t j = own_from; j < old; ++j)
           score_key(qf.data(), rows, dim, ok + j * os2, row_buf.data(), scores.data() + plen + j, keys, all);
         for (int64_t node = 0; node < count; ++node) {
           auto seen = [&](int64_t i) { return mask[(i / group) * qmax + node]; };
@@ -676,12 +709,18 @@ void run(const multispec::AttentionCall& call) {
       // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
       // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
       // sum and total weight are rescaled to the common maximum.
+      if (window > 0) {  // each row's keys out of its window hidden (-inf), as the non-ancestors are
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t end = std::min(keys, lowest[i / group]);
+          for (int64_t j = first; j < end; ++j) scores[i * keys + j] = neg_inf;
+        }
+      }
       totals.resize(rows);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * keys;
         float top = neg_inf;
 #pragma omp simd reduction(max : top)  // a vector reduction, not a chain of compares (exact)
-        for (int64_t j = 0; j < keys; ++j) top = s[j] > top ? s[j] : top;
+        for (int64_t j = first; j < keys; ++j) top = s[j] > top ? s[j] : top;
         float total = 0.0f;
 #ifdef MULTISPEC_AMX
         if (amx) {
@@ -696,7 +735,7 @@ void run(const multispec::AttentionCall& call) {
 #endif
         // (A hidden key's -inf score gives exp_nonpositive(-inf) = 0, without a branch to vectorize.)
 #pragma omp simd
-        for (int64_t j = 0; j < keys; ++j) s[j] = exp_nonpositive(s[j] - top);
+        for (int64_t j = first; j < keys; ++j) s[j] = exp_nonpositive(s[j] - top);
         // The weights summed in an order fixed by the keys the row sees, not by where they sit: key j
         // of the cached ones (all seen) into running sum j % 8, then the step's new keys the row sees
         // (its ancestors and itself, in order) as if they followed the cached ones directly, then
@@ -708,7 +747,8 @@ void run(const multispec::AttentionCall& call) {
         // speculative runs from plain ones.)
         float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         const int64_t cached = plen + old;
-        int64_t j = 0;
+        int64_t j = first;  // (the keys before ``first`` weigh 0: not added)
+        for (; j < cached && (j & 7) != 0; ++j) lanes[j & 7] += s[j];
         for (; j + 8 <= cached; j += 8)
           for (int l = 0; l < 8; ++l) lanes[l] += s[j + l];
         for (; j < cached; ++j) lanes[j & 7] += s[j];
@@ -719,10 +759,12 @@ void run(const multispec::AttentionCall& call) {
         totals[i] = total;
       }
       // Weighted sum of values, each value row read once for all query rows.
-      add_values(scores.data(), rows, keys, dim, pvp + prompt_slot[b] * pvs0 + h * pvs1, pvs2, plen, row_buf.data(),
-                 acc.data(), false, ahead);
-      add_values(scores.data() + plen, rows, keys, dim, ovp + sample_slot[b] * ovs0 + h * ovs1, ovs2, own_len,
-                 row_buf.data(), acc.data(), amx, ahead);
+      add_values(scores.data() + prompt_from, rows, keys, dim,
+                 pvp + prompt_slot[b] * pvs0 + h * pvs1 + prompt_from * pvs2, pvs2, plen - prompt_from,
+                 row_buf.data(), acc.data(), false, ahead);
+      add_values(scores.data() + plen + own_from, rows, keys, dim,
+                 ovp + sample_slot[b] * ovs0 + h * ovs1 + own_from * ovs2, ovs2, own_len - own_from, row_buf.data(),
+                 acc.data(), amx, ahead);
       for (int64_t r = 0; r < count; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = r * group + g;
@@ -801,8 +843,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                             const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
                             const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
                             const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
-                            const at::Tensor& tree_mask, double scale) {
+                            const at::Tensor& tree_mask, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
+  TORCH_CHECK(window >= 0, "window is a number of positions, or 0 for none");
   TORCH_CHECK(q.dim() == 3, "q is [tokens, heads, dim]");
   check_attention_caches(q.scalar_type(), q.size(1), q.size(2), 4, own_k, own_v, prompt_k, prompt_v);
   TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
@@ -824,6 +867,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   call.dtype = q.scalar_type(), call.cache_dtype = own_k.scalar_type();
   call.scale = scale;
   call.amx = attention_amx();
+  call.window = window;
   attend(call);
   return out;
 }
@@ -833,7 +877,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
 TORCH_LIBRARY(multispec, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) own_k, Tensor(b!) own_v, Tensor prompt_k, Tensor prompt_v, "
         "Tensor sample_slot, Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, "
-        "Tensor prompt_len, Tensor tree_mask, float scale) -> Tensor");
+        "Tensor prompt_len, Tensor tree_mask, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &multispec::decode_attention); }

@@ -37,6 +37,7 @@ struct AttentionCall {
   AttentionIndex index;
   double scale;
   bool amx;  // the prompt half on AMX tiles where the shapes allow (attention_amx(), read by the caller)
+  int64_t window = 0;  // a sliding window: each row sees the keys of its last ``window`` positions; 0: all
 };
 
 // The index tensors checked (int64 vectors of one entry per sample, a bool [samples, qmax, qmax]

@@ -146,7 +146,8 @@ def test_samples_of_several_prompts_see_their_own_prompt(prompt_slots, counts, c
     attention = DecodeAttention(cache, layout, split=split, compiled=compiled)
     assert (attention.op is not None) == (compiled and COMPILED)
     assert all(part.concat == concat for part in attention.parts + (attention.window_parts or []))
-    assert (attention.window_parts is not None) == (window is not None)
+    # The compiled kernel windows the layers itself; the portable path builds parts that window.
+    assert (attention.window_parts is not None) == (window is not None and attention.op is None)
     out = attention.attend(0, q, k, v)
     row = 0
     dead = 0  # rows whose window holds none of their prompt
@@ -177,14 +178,18 @@ def _has_amx() -> bool:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
 @pytest.mark.parametrize("in_slots", [False, True], ids=["packed", "slots"])
 @pytest.mark.parametrize("amx", ["1", "0"], ids=["tiles", "vectors"])
-def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots, amx, monkeypatch):
+@pytest.mark.parametrize("window", [None, 20, 3], ids=["whole", "window-20", "window-3"])
+def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots, amx, window, monkeypatch):
     """The compiled decode attention against the portable path in float64 on the same cache: six
     samples of three prompts, plain roots, a chain of 17 nodes (more than one block of 16 keys), a
     branching tree, two roots side by side, samples in packed slots and in slots out of order.
     The bf16 bound is the rounding of the output (values reach about 8: 2**-6 relative). On a CPU
-    with AMX, bf16 samples with draft nodes run on the tile unit unless MULTISPEC_AMX=0: both paths."""
+    with AMX, bf16 samples with draft nodes run on the tile unit unless MULTISPEC_AMX=0: both paths.
+    "window-20": a sliding window that starts past the first block of sixteen of some prompts and
+    of some samples' own keys (the kernel skips those); "window-3": one shorter than the chain, so
+    that its deep nodes see only their nearest ancestors among the step's new keys."""
     monkeypatch.setenv("MULTISPEC_AMX", amx)
-    out, want = _compiled_on_trees(dtype, in_slots)
+    out, want = _compiled_on_trees(dtype, in_slots, window)
     assert out.dtype == dtype
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
 
@@ -205,19 +210,21 @@ def test_tile_path_runs_and_agrees_with_the_vector_path(monkeypatch):
 
 
 @pytest.mark.skipif(not COMPILED, reason="the compiled kernel is not built on this machine")
-@pytest.mark.parametrize("amx,dtype", [("1", torch.bfloat16), ("0", torch.bfloat16), ("0", torch.float32)],
-                         ids=["tiles", "vectors", "float32"])
-def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(amx, dtype, monkeypatch):
+@pytest.mark.parametrize("amx,dtype,window", [("1", torch.bfloat16, None), ("0", torch.bfloat16, None),
+                                              ("0", torch.float32, None), ("1", torch.bfloat16, 20),
+                                              ("0", torch.float32, 20)],
+                         ids=["tiles", "vectors", "float32", "window", "float32-window"])
+def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(amx, dtype, window, monkeypatch):
     """With AMX the prompt half runs sixteen query rows of a prompt's samples to a tile: each
     sample's output must still be bit for bit what it is when the sample is alone in the step (no
     padding, blocking or order effect), on both paths and in float32 (whose scores run eight keys
     to a block where the CPU has AVX2 but no AVX-512). Six samples of three prompts, plain and
-    drafted, slots out of order."""
+    drafted, slots out of order; "window": under a sliding window of 20 positions."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from tests.helpers import tree_mask_of
 
     monkeypatch.setenv("MULTISPEC_AMX", amx)
-    out, _ = _compiled_on_trees(dtype, True)
+    out, _ = _compiled_on_trees(dtype, True, window)
     cache, layout, q, k, v = _compiled_on_trees.last
     row = 0
     for b, count in enumerate(layout.counts.tolist()):
@@ -231,12 +238,12 @@ def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(am
 _TREES = [[], [-1, 0, 0], [-1], [-1, -1, 0, 1, 2], [], list(range(-1, 16))]
 
 
-def _compiled_on_trees(dtype, in_slots):
+def _compiled_on_trees(dtype, in_slots, window=None):
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
-    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)  # the default model's shape
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window)  # the default model's shape
     gen = torch.Generator().manual_seed(3)
     shape = CacheShape(7, 80, 3, 50)
     cache, exact = KVCache(config, shape.tokens(), dtype), KVCache(config, shape.tokens(), torch.float64)
@@ -389,19 +396,23 @@ def test_a_bfloat16_cache_under_float32_reads_back_exactly():
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                (torch.bfloat16, torch.bfloat16)],
                          ids=["float32", "bfloat16-cache", "bfloat16"])
-def test_a_draft_node_attends_as_the_same_token_does_as_a_root_later(dtype, cache_dtype, monkeypatch):
+@pytest.mark.parametrize("window", [None, 4, 30], ids=["whole", "window-4", "window-30"])
+def test_a_draft_node_attends_as_the_same_token_does_as_a_root_later(dtype, cache_dtype, window, monkeypatch):
     """A node deep in one branch of a draft tree sees its ancestors, which sit among the other
     branch's nodes in the step's new keys; once accepted, the same token is a root whose ancestors
     are cached keys in a row. Its attention must be the same float both ways, or speculation would
     change the samples by rounding: a tree of two branches (parents -1, 0, 0, 1, 2), the last node
-    (path: root, node 0, node 2, itself) against prompts of 5-127 keys, vector path."""
+    (path: root, node 0, node 2, itself) against prompts of 5-127 keys, vector path. Under a
+    sliding window the kernel starts each sample's keys where its root's window does, a few
+    positions earlier in the drafted step than in the later one: the node must still weigh the
+    same keys in the same order (window 4: it sees only its path; 30: part of the prompt)."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
     _skip_native_bf16(dtype)
     monkeypatch.setenv("MULTISPEC_AMX", "0")
-    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096)
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window)
     gen = torch.Generator().manual_seed(17)
     shape = CacheShape(1, 64, 1, 128)
     parents = [-1, 0, 0, 1, 2]

@@ -46,6 +46,15 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
         hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(   # folded into q's norm
             **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=200, sliding_window_pattern=2,
             rope_scaling={"rope_type": "linear", "factor": 4.0}, pad_token_id=0))
+    elif kind == "gemma3-window":  # as gemma3, with windows shorter than the prompts: rows see part of them
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=16, sliding_window_pattern=2,
+            pad_token_id=0))
+    elif kind == "mistral-window":  # every layer windowed
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=20))
+    elif kind == "qwen2-window":  # the layers from the second on windowed
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True,
+                                                                    sliding_window=12, max_window_layers=1))
     elif kind == "olmo2":  # norms on the blocks' outputs only, q and k normalised across all their heads
         hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=0))
     elif kind == "smollm3":  # every second layer unrotated
@@ -91,11 +100,16 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "smollm3",
-                                  "olmo2"])
+                                  "olmo2", "gemma3-window", "mistral-window", "qwen2-window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):
     model = build(kind, dtype, pack)
+    if kind.endswith("-window"):  # windows that end inside the step's sequences, on the layers named
+        config = model.config
+        assert 8 < config.sliding_window < 23
+        assert [config.layer_window(i) for i in range(3)] == {
+            "gemma3": [16, None, 16], "mistral": [20] * 3, "qwen2": [None, 12, 12]}[kind.split("-")[0]]
     got, got_k, got_v = run_step(model, compiled=True)
     want, want_k, want_v = run_step(model, compiled=False)
     if dtype == torch.float32:
