@@ -136,7 +136,8 @@ class DecodeAttention:
     On a CPU where the compiled kernel is built (``multispec.kernels``), one call a layer does it
     all: it writes the new keys and values, and each (sample, kv head) attends to its prompt and
     its own keys in one float32 softmax, ragged (no padding rows, no parts), within the layer's
-    sliding window where it has one (the keys before the window neither scored nor read). 1.25-1.4x faster
+    sliding window where it has one (the keys before the window neither scored nor read), its
+    scores capped where the model caps them (Gemma 2). 1.25-1.4x faster
     plain steps than the portable path below at 4 to 128 samples (docs/results.md). The portable
     path, for other devices and for steps that attend to a draft model's scratch positions:
 
@@ -162,9 +163,7 @@ class DecodeAttention:
         offsets = torch.cumsum(counts, 0) - counts
         device = cache.sample_k.device
         in_place = layout.slots is None
-        # The compiled kernel does not cap scores (Gemma 2's soft cap): the portable path does.
-        capped = cache.config.attn_logit_softcapping is not None
-        self.op = compiled_kernel(device) if compiled and layout.scratch is None and not capped else None
+        self.op = compiled_kernel(device) if compiled and layout.scratch is None else None
         self.parts: list[_Part] = []
         self.window_parts: list[_Part] | None = None
         """The portable path's parts with each row's sliding window, for the layers that have one
@@ -212,7 +211,8 @@ class DecodeAttention:
         cache = self.cache
         if self.op is not None:  # writes k and v into the sample slots itself
             return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
-                           cache.prompt_v[layer], *self.op_args, cache.config.layer_window(layer) or 0)
+                           cache.prompt_v[layer], *self.op_args, cache.config.layer_window(layer) or 0,
+                           cache.config.attn_logit_softcapping or 0.0)
         parts = self.parts
         if self.window_parts is not None and cache.config.layer_window(layer) is not None:
             parts = self.window_parts

@@ -51,6 +51,16 @@ namespace {
 
 using multispec_kernels::exp_nonpositive;
 
+// Gemma 2's soft cap of a score: cap * tanh(s / cap), tanh(|x|) = (1 - e) / (1 + e) with e =
+// exp(-2|x|) (a vectorisable exponential; its relative error of 2e-7 moves a capped score by at
+// most about 1e-7 of the cap); a hidden key's -inf stays -inf.
+__attribute__((always_inline)) inline float soft_cap(float s, float cap, float inv_cap) {
+  const float x = s * inv_cap;
+  const float e = exp_nonpositive(-2.0f * std::fabs(x));
+  const float t = std::copysign((1.0f - e) / (1.0f + e), x) * cap;
+  return s == -std::numeric_limits<float>::infinity() ? s : t;
+}
+
 // The next (sample, kv head)'s own keys and values, asked for into L2 a few cache lines at a time
 // while this one computes, so that reading them from memory overlaps this one's arithmetic (the
 // hardware prefetcher starts each sample's short runs of keys too late: with every sample's own
@@ -420,6 +430,7 @@ void run(const multispec::AttentionCall& call) {
   const bool* tree_mask = call.index.tree_mask;
   const double scale = call.scale;
   const int64_t window = call.window;
+  const float cap = static_cast<float>(call.softcap), inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const scalar_t* qp = static_cast<const scalar_t*>(call.q.data);
   const cache_t* okp = static_cast<const cache_t*>(call.own_k.data);
   const cache_t* ovp = static_cast<const cache_t*>(call.own_v.data);
@@ -453,9 +464,10 @@ void run(const multispec::AttentionCall& call) {
   bool amx = false;
   std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  // (Not under a sliding window: the tile passes read every key; the vector path skips those out of it.)
+  // (Not under a sliding window or a soft cap: the tile passes read every key and leave scores as
+  // they are; the vector path skips the keys out of the window and caps.)
   amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && call.amx &&
-        call.window <= 0;
+        call.window <= 0 && call.softcap <= 0.0;
   if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
     if (amx) {
       const int64_t tokens = call.tokens;
@@ -709,6 +721,13 @@ void run(const multispec::AttentionCall& call) {
       // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
       // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
       // sum and total weight are rescaled to the common maximum.
+      if (cap > 0.0f) {  // Gemma 2: every score capped (before the window's -inf, which the cap keeps)
+        for (int64_t i = 0; i < rows; ++i) {
+          float* s = scores.data() + i * keys;
+#pragma omp simd
+          for (int64_t j = first; j < keys; ++j) s[j] = soft_cap(s[j], cap, inv_cap);
+        }
+      }
       if (window > 0) {  // each row's keys out of its window hidden (-inf), as the non-ancestors are
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t end = std::min(keys, lowest[i / group]);
@@ -843,9 +862,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                             const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
                             const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
                             const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
-                            const at::Tensor& tree_mask, double scale, int64_t window) {
+                            const at::Tensor& tree_mask, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
   TORCH_CHECK(window >= 0, "window is a number of positions, or 0 for none");
+  TORCH_CHECK(softcap >= 0.0, "softcap is a score's cap, or 0 for none");
   TORCH_CHECK(q.dim() == 3, "q is [tokens, heads, dim]");
   check_attention_caches(q.scalar_type(), q.size(1), q.size(2), 4, own_k, own_v, prompt_k, prompt_v);
   TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
@@ -868,6 +888,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   call.scale = scale;
   call.amx = attention_amx();
   call.window = window;
+  call.softcap = softcap;
   attend(call);
   return out;
 }
@@ -877,7 +898,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
 TORCH_LIBRARY(multispec, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) own_k, Tensor(b!) own_v, Tensor prompt_k, Tensor prompt_v, "
         "Tensor sample_slot, Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, "
-        "Tensor prompt_len, Tensor tree_mask, float scale, int window=0) -> Tensor");
+        "Tensor prompt_len, Tensor tree_mask, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &multispec::decode_attention); }

@@ -38,6 +38,7 @@ struct AttentionCall {
   double scale;
   bool amx;  // the prompt half on AMX tiles where the shapes allow (attention_amx(), read by the caller)
   int64_t window = 0;  // a sliding window: each row sees the keys of its last ``window`` positions; 0: all
+  double softcap = 0.0;  // scores capped as cap * tanh(score / cap) (Gemma 2); 0: none
 };
 
 // The index tensors checked (int64 vectors of one entry per sample, a bool [samples, qmax, qmax]

@@ -206,13 +206,15 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::opt
 // see NormKind), the gate's activation (0 SiLU, 1 GELU's tanh approximation, 2 GELU), which
 // layers rotate q and k (``rotates``: SmolLM3 leaves every fourth alone) and which rotate by the
 // second table (``local_layers``, ``local_cos``/``local_sin``: Gemma 3's windowed layers), and each
-// layer's sliding window (``windows``: positions, 0 for none; Mistral's, Qwen's, Gemma's).
+// layer's sliding window (``windows``: positions, 0 for none; Mistral's, Qwen's, Gemma's), and
+// the attention scores' soft cap (``softcap``, Gemma 2's; 0 for none).
 struct Extras {
   at::TensorList pre_ffn_norm, post_ffn_norm;
   int64_t norm_kind = LLAMA_NORM;
   bool post_only = false, qk_whole = false;
   int64_t activation = 0;
   at::IntArrayRef rotates, local_layers, windows;
+  double softcap = 0.0;
   const at::Tensor* local_cos = nullptr;
   const at::Tensor* local_sin = nullptr;
 };
@@ -255,6 +257,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at
   call.dtype = x.scalar_type(), call.cache_dtype = sample_k.scalar_type();
   call.scale = scale;
   call.amx = multispec::attention_amx();
+  call.softcap = extras.softcap;
   call.out = {attended.data_ptr(), heads * dim, dim};
   const int64_t cache_bytes = sample_k.element_size();
   auto layer_slots = [&](const at::Tensor& cache, size_t layer) {
@@ -392,7 +395,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList post_ffn_norm, int64_t norm_kind, bool post_only, bool qk_whole,
                          int64_t activation, at::IntArrayRef rotates,
                          const std::optional<at::Tensor>& local_cos, const std::optional<at::Tensor>& local_sin,
-                         at::IntArrayRef local_layers, at::IntArrayRef windows) {
+                         at::IntArrayRef local_layers, at::IntArrayRef windows, double softcap) {
   const size_t n = qkv.size();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [tokens, hidden]");
   TORCH_CHECK(norm_kind >= LLAMA_NORM && norm_kind <= FLOAT32_NORM, "norm_kind is 0 (Llama), 1 (Gemma) or 2 (float32)");
@@ -416,6 +419,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   TORCH_CHECK(local_layers.empty() || (local_layers.size() == n && local_cos.has_value() && local_sin.has_value()),
               "local_layers: one flag per layer with the second rotation's tables, or none");
   TORCH_CHECK(windows.empty() || windows.size() == n, "windows: one per layer, or none");
+  TORCH_CHECK(softcap >= 0.0, "softcap is the scores' cap, or 0 for none");
   for (int64_t window : windows) TORCH_CHECK(window >= 0, "a layer's window is a number of positions, or 0 for none");
   for (const std::optional<at::Tensor>& table : {local_cos, local_sin})
     TORCH_CHECK(!table.has_value() || (table->sizes() == cos.sizes() && table->strides() == cos.strides() &&
@@ -454,6 +458,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   extras.norm_kind = norm_kind, extras.post_only = post_only, extras.qk_whole = qk_whole;
   extras.activation = activation;
   extras.rotates = rotates, extras.local_layers = local_layers, extras.windows = windows;
+  extras.softcap = softcap;
   if (local_cos.has_value()) extras.local_cos = &*local_cos, extras.local_sin = &*local_sin;
   at::Tensor hidden = x.clone();  // the residual stream, updated in place
   switch (x.scalar_type()) {
@@ -712,7 +717,7 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
         "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, int norm_kind, bool post_only, bool qk_whole, "
         "int activation, "
-        "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers, int[] windows) -> Tensor");
+        "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers, int[] windows, float softcap) -> Tensor");
   m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
         "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "
         "int stream_rows, int heads, int kv_heads, float eps, Tensor cos, Tensor sin, int group, Tensor past_k, "

@@ -508,9 +508,9 @@ class LlamaForCausalLM(nn.Module):
         stack = self._compiled_stack(attention, x.shape[0])
         if stack is not None:
             op, weights, args = stack
-            *extras, local_layers, windows = self._stack_extras
+            *extras, local_layers, windows, softcap = self._stack_extras
             return op(x, cos, sin, *weights, *args, *extras, *(local if local is not None else (None, None)),
-                      local_layers, windows)
+                      local_layers, windows, softcap)
         rotations = [(cos, sin)] * len(self.model.layers)
         if local is not None:
             rotations = [local if config.layer_window(i) is not None else rotation
@@ -559,7 +559,8 @@ class LlamaForCausalLM(nn.Module):
                 [int(flag) for flag in config.rope_layers],
                 [int(config.layer_window(i) is not None) for i in range(len(layers))]
                 if config.local_rope_theta is not None else [],
-                [config.layer_window(i) or 0 for i in range(len(layers))] if config.sliding_window else [])
+                [config.layer_window(i) or 0 for i in range(len(layers))] if config.sliding_window else [],
+                float(config.attn_logit_softcapping or 0.0))
         # The streaming products' row limit, read now: MULTISPEC_AMX / MULTISPEC_STREAM / MULTISPEC_AFFINE
         # may switch it. Integer blocks where every product has them and the step's rows are within
         # their limit, else the streaming layout.

@@ -50,9 +50,10 @@ def test_devices_without_the_fused_kernel_get_the_reference():
 
 
 
-def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int = 64, window: int | None = None):
+def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int = 64, window: int | None = None,
+            cap: float | None = None):
     """One attention layer; by default four query heads sharing two kv heads of 8 dimensions;
-    ``window``: a sliding window of that many positions."""
+    ``window``: a sliding window of that many positions; ``cap``: scores soft-capped (Gemma 2's)."""
     from multispec.models.config import ModelConfig
 
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=heads * head_dim,
@@ -60,7 +61,7 @@ def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int
                        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=positions,
                        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
                        attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_ids=[],
-                       sliding_window=window)
+                       sliding_window=window, attn_logit_softcapping=cap)
 
 
 @pytest.mark.parametrize("window", [None, 7], ids=["whole", "window"])
@@ -178,8 +179,10 @@ def _has_amx() -> bool:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
 @pytest.mark.parametrize("in_slots", [False, True], ids=["packed", "slots"])
 @pytest.mark.parametrize("amx", ["1", "0"], ids=["tiles", "vectors"])
-@pytest.mark.parametrize("window", [None, 20, 3], ids=["whole", "window-20", "window-3"])
-def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots, amx, window, monkeypatch):
+@pytest.mark.parametrize("window,cap", [(None, None), (20, None), (3, None), (None, 3.0), (20, 3.0)],
+                         ids=["whole", "window-20", "window-3", "capped", "capped-window"])
+def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol, in_slots, amx, window, cap,
+                                                                       monkeypatch):
     """The compiled decode attention against the portable path in float64 on the same cache: six
     samples of three prompts, plain roots, a chain of 17 nodes (more than one block of 16 keys), a
     branching tree, two roots side by side, samples in packed slots and in slots out of order.
@@ -187,9 +190,10 @@ def test_compiled_kernel_matches_float64_on_trees_and_several_prompts(dtype, tol
     with AMX, bf16 samples with draft nodes run on the tile unit unless MULTISPEC_AMX=0: both paths.
     "window-20": a sliding window that starts past the first block of sixteen of some prompts and
     of some samples' own keys (the kernel skips those); "window-3": one shorter than the chain, so
-    that its deep nodes see only their nearest ancestors among the step's new keys."""
+    that its deep nodes see only their nearest ancestors among the step's new keys. "capped": scores
+    soft-capped at 3 (they reach about 12 here, so the cap changes most of them)."""
     monkeypatch.setenv("MULTISPEC_AMX", amx)
-    out, want = _compiled_on_trees(dtype, in_slots, window)
+    out, want = _compiled_on_trees(dtype, in_slots, window, cap)
     assert out.dtype == dtype
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
 
@@ -238,12 +242,12 @@ def test_a_samples_attention_does_not_depend_on_the_other_samples_of_the_step(am
 _TREES = [[], [-1, 0, 0], [-1], [-1, -1, 0, 1, 2], [], list(range(-1, 16))]
 
 
-def _compiled_on_trees(dtype, in_slots, window=None):
+def _compiled_on_trees(dtype, in_slots, window=None, cap=None):
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
-    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window)  # the default model's shape
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window, cap=cap)  # the default model's shape
     gen = torch.Generator().manual_seed(3)
     shape = CacheShape(7, 80, 3, 50)
     cache, exact = KVCache(config, shape.tokens(), dtype), KVCache(config, shape.tokens(), torch.float64)

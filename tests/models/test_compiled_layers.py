@@ -55,6 +55,10 @@ def build(kind: str, dtype: torch.dtype, pack: bool) -> LlamaForCausalLM:
     elif kind == "qwen2-window":  # the layers from the second on windowed
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True,
                                                                     sliding_window=12, max_window_layers=1))
+    elif kind == "gemma2":  # sandwich norms, scores soft-capped, a window on every other layer
+        hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+            sliding_window=16, pad_token_id=0))
     elif kind == "olmo2":  # norms on the blocks' outputs only, q and k normalised across all their heads
         hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common, pad_token_id=0))
     elif kind == "smollm3":  # every second layer unrotated
@@ -100,7 +104,7 @@ def run_step(model: LlamaForCausalLM, compiled: bool):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "smollm3",
-                                  "olmo2", "gemma3-window", "mistral-window", "qwen2-window"])
+                                  "olmo2", "gemma3-window", "mistral-window", "qwen2-window", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_compiled_stack_matches_the_layer_by_layer_path(kind, dtype, pack):
