@@ -5,10 +5,8 @@ No checkpoint of these can be downloaded here, so this times the shape, which is
 costs: ``--arch qwen3`` Qwen3-0.6B (28 layers, hidden 1024, 16 query heads of 128 over 8 KV heads,
 a 151,936-token tied head; its decode steps run the compiled layer stack), ``--arch gemma2``
 Gemma-2-2B (26 layers, hidden 2304, 8 query heads of 256 over 4 KV heads, a 256,000-token tied
-head, soft-capped scores and logits; its decode steps run layer by layer, the attention through
-the reference kernel, since no fused kernel caps scores), ``--arch olmo2`` OLMo-2-0425-1B (16
-layers, hidden 2048, 16 heads of 128, a 100,352-token untied head; its decode steps run layer by
-layer, its attention through the compiled kernel), ``--arch gemma3`` Gemma-3-1B (26 layers,
+head, soft-capped scores and logits), ``--arch olmo2`` OLMo-2-0425-1B (16 layers, hidden 2048,
+16 heads of 128, a 100,352-token untied head), ``--arch gemma3`` Gemma-3-1B (26 layers,
 hidden 1152, 4 query heads of 256 over one KV head, a 262,144-token tied head, five of every six
 layers windowed to 512 positions and rotated by their own base; its decode steps run the compiled
 layer stack, the windows in its attention: ``--prompt-tokens 600`` times steps past them),

@@ -169,7 +169,7 @@ class DecodeAttention:
         """The portable path's parts with each row's sliding window, for the layers that have one
         (``ModelConfig.layer_window``), where some row of the step is that far into its sequence;
         None where no window excludes a key this step (every layer then runs as without one)."""
-        if self.op is not None:  # (which windows the layers that have one itself)
+        if self.op is not None:  # the compiled kernel, which windows and caps itself
             slots = torch.arange(batch) if in_place else layout.slots
             self.op_args = tuple(t.to(device, torch.long).contiguous() for t in (
                 slots, offsets, counts, layout.written, layout.prompt_slot, layout.prompt_len)) + (

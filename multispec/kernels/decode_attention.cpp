@@ -53,7 +53,7 @@ using multispec_kernels::exp_nonpositive;
 
 // Gemma 2's soft cap of a score: cap * tanh(s / cap), tanh(|x|) = (1 - e) / (1 + e) with e =
 // exp(-2|x|) (a vectorisable exponential; its relative error of 2e-7 moves a capped score by at
-// most about 1e-7 of the cap); a hidden key's -inf stays -inf.
+// most about 4e-7 of the cap); a hidden key's -inf stays -inf.
 __attribute__((always_inline)) inline float soft_cap(float s, float cap, float inv_cap) {
   const float x = s * inv_cap;
   const float e = exp_nonpositive(-2.0f * std::fabs(x));
@@ -718,9 +718,6 @@ void run(const multispec::AttentionCall& call) {
                     keys, seen);
         }
       }
-      // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
-      // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
-      // sum and total weight are rescaled to the common maximum.
       if (cap > 0.0f) {  // Gemma 2: every score capped (before the window's -inf, which the cap keeps)
         for (int64_t i = 0; i < rows; ++i) {
           float* s = scores.data() + i * keys;
@@ -734,6 +731,9 @@ void run(const multispec::AttentionCall& call) {
           for (int64_t j = first; j < end; ++j) scores[i * keys + j] = neg_inf;
         }
       }
+      // Softmax per row (every row sees at least its own new key, so its maximum is finite), merged
+      // with the row's prompt half where the tile pass computed it: its maximum joins the row's, its
+      // sum and total weight are rescaled to the common maximum.
       totals.resize(rows);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * keys;

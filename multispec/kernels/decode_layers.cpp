@@ -717,7 +717,8 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, Tensor prompt_len, Tensor tree_mask, "
         "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, int norm_kind, bool post_only, bool qk_whole, "
         "int activation, "
-        "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers, int[] windows, float softcap) -> Tensor");
+        "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers, int[] windows, "
+        "float softcap) -> Tensor");
   m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
         "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "
         "int stream_rows, int heads, int kv_heads, float eps, Tensor cos, Tensor sin, int group, Tensor past_k, "

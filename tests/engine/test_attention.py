@@ -247,7 +247,8 @@ def _compiled_on_trees(dtype, in_slots, window=None, cap=None):
     from multispec.engine.cache import CacheShape, KVCache
     from tests.helpers import tree_mask_of
 
-    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window, cap=cap)  # the default model's shape
+    # the default model's shape
+    config = _config(heads=9, kv_heads=3, head_dim=64, positions=4096, window=window, cap=cap)
     gen = torch.Generator().manual_seed(3)
     shape = CacheShape(7, 80, 3, 50)
     cache, exact = KVCache(config, shape.tokens(), dtype), KVCache(config, shape.tokens(), torch.float64)

@@ -1,14 +1,17 @@
-"""Decode steps past Gemma 3's sliding windows: the compiled layer stack with the windows in the
-compiled attention, against the path such steps took before it windowed (the attention module of
-``--before``, read from git: layer by layer, the windowed layers through the portable attention
-with a mask per row), alternating step by step in one process on one engine.
+"""Decode steps that the compiled attention now runs itself, against the path they took before it
+did (the attention module of ``--before``, read from git), alternating step by step in one
+process on one engine.
 
-Gemma-3-270M's and Gemma-3-1B's shapes (``architecture_shape.py``'s checkpoints, random weights,
-bf16), five of every six layers windowed to 512 positions: one request of ``--samples`` samples
-after a ``--prompt-tokens`` prompt (600: every step past the window), ``--warm`` steps into the
-answers, then ``--steps`` rounds of one step each way; medians of the rounds.
+Past Gemma 3's sliding windows (five of every six layers windowed to 512 positions): before, such
+steps ran layer by layer, the windowed layers through the portable attention with a mask per row;
+now the compiled stack runs them, windows in its attention. Gemma 2's soft-capped scores: before,
+every step ran layer by layer through the unfused reference attention; now the compiled stack.
+The shapes are ``architecture_shape.py``'s checkpoints (random weights, bf16): one request of
+``--samples`` samples after a ``--prompt-tokens`` prompt, ``--warm`` steps into the answers, then
+``--steps`` rounds of one step each way; medians of the rounds.
 
-    python experiments/window_steps.py --shape gemma3-270m,gemma3 --samples 4,16 --steps 30
+    python experiments/attention_steps.py --shape gemma3-270m,gemma3 --samples 4,16 --steps 30
+    python experiments/attention_steps.py --shape gemma2 --samples 4,16 --steps 30 --prompt-tokens 100
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ def before_attention(revision: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="gemma3-270m,gemma3", help="Gemma 3 shapes of architecture_shape.py")
+    parser.add_argument("--shape", default="gemma3-270m,gemma3", help="shapes of architecture_shape.py")
     parser.add_argument("--samples", default="4,16")
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--steps", type=int, default=30, help="timed rounds (one step each way)")
     parser.add_argument("--warm", type=int, default=10, help="steps before timing")
-    parser.add_argument("--before", default="3cadb75", help="the revision whose attention module is 'before'")
+    parser.add_argument("--before", default="3cadb75", help="the revision whose attention module is 'before' "
+                        "(3cadb75: neither windows nor caps in the compiled attention)")
     args = parser.parse_args()
     if kernels.decode_layers() is None:
         raise SystemExit("the compiled kernels are not built here")
