@@ -291,6 +291,9 @@ class _PerPrompt:
 
     def __init__(self, parts: list[tuple[DecodeAttention, int]]):
         self.parts = parts
+        if len(parts) == 1:  # one prompt: the compiled layer stack may run the forward (kernel_args)
+            self.kernel_args = parts[0][0].kernel_args
+            self.scratch_args = getattr(parts[0][0], "scratch_args", (None, None))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:

@@ -139,7 +139,8 @@ class DecodeAttention:
     sliding window where it has one (the keys before the window neither scored nor read), its
     scores capped where the model caps them (Gemma 2). 1.25-1.4x faster
     plain steps than the portable path below at 4 to 128 samples (docs/results.md). The portable
-    path, for other devices and for steps that attend to a draft model's scratch positions:
+    path, for other devices and for a draft model's steps over its scratch positions under a
+    sliding window:
 
     Attention batches a sample's query rows as a block, so samples whose drafts differ in size
     are padded to a common number of rows. Where that padding would outgrow the step (a few
@@ -163,7 +164,9 @@ class DecodeAttention:
         offsets = torch.cumsum(counts, 0) - counts
         device = cache.sample_k.device
         in_place = layout.slots is None
-        self.op = compiled_kernel(device) if compiled and layout.scratch is None else None
+        # (A draft model's step over its scratch positions under a sliding window: the portable path.)
+        scratch_window = layout.scratch is not None and cache.config.sliding_window is not None
+        self.op = compiled_kernel(device) if compiled and not scratch_window else None
         self.parts: list[_Part] = []
         self.window_parts: list[_Part] | None = None
         """The portable path's parts with each row's sliding window, for the layers that have one
@@ -174,6 +177,12 @@ class DecodeAttention:
             self.op_args = tuple(t.to(device, torch.long).contiguous() for t in (
                 slots, offsets, counts, layout.written, layout.prompt_slot, layout.prompt_len)) + (
                 layout.tree_mask.to(device, torch.bool).contiguous(), cache.config.head_dim ** -0.5)
+            self.scratch_args = (None, None)
+            """A draft model's step: each sample's count of scratch positions and which of them each
+            row sees (``StepLayout.scratch``, ``scratch_mask``); (None, None) in any other step."""
+            if layout.scratch is not None:
+                self.scratch_args = (layout.scratch.to(device, torch.long).contiguous(),
+                                     layout.scratch_mask.to(device, torch.bool).contiguous())
             return
         window = cache.config.sliding_window
         windowed = window is not None and int((layout.prompt_len + layout.written + counts).max()) > window
@@ -201,7 +210,7 @@ class DecodeAttention:
     def kernel_args(self) -> tuple | None:
         """What the compiled layer stack (``multispec.kernels.decode_layers``) needs to run this
         step's attention itself: the caches of every layer, then the compiled attention's index
-        tensors; None where the step runs the portable path."""
+        tensors; None where the step runs the portable path. (Its scratch tensors: ``scratch_args``.)"""
         if self.op is None:
             return None
         cache = self.cache
@@ -212,7 +221,7 @@ class DecodeAttention:
         if self.op is not None:  # writes k and v into the sample slots itself
             return self.op(q, k, v, cache.sample_k[layer], cache.sample_v[layer], cache.prompt_k[layer],
                            cache.prompt_v[layer], *self.op_args, cache.config.layer_window(layer) or 0,
-                           cache.config.attn_logit_softcapping or 0.0)
+                           cache.config.attn_logit_softcapping or 0.0, *self.scratch_args)
         parts = self.parts
         if self.window_parts is not None and cache.config.layer_window(layer) is not None:
             parts = self.window_parts

@@ -428,6 +428,9 @@ void run(const multispec::AttentionCall& call) {
   const int64_t* prompt_slot = call.index.prompt_slot;
   const int64_t* prompt_len = call.index.prompt_len;
   const bool* tree_mask = call.index.tree_mask;
+  const int64_t* scratch = call.index.scratch;
+  const bool* scratch_mask = call.index.scratch_mask;
+  const int64_t scratch_width = call.index.scratch_width;
   const double scale = call.scale;
   const int64_t window = call.window;
   const float cap = static_cast<float>(call.softcap), inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
@@ -464,10 +467,11 @@ void run(const multispec::AttentionCall& call) {
   bool amx = false;
   std::unique_ptr<float[]> partial;
 #ifdef MULTISPEC_AMX
-  // (Not under a sliding window or a soft cap: the tile passes read every key and leave scores as
-  // they are; the vector path skips the keys out of the window and caps.)
+  // (Not under a sliding window or a soft cap, nor in a draft model's step: the tile passes read
+  // every key and leave scores as they are; the vector path skips the keys out of the window, caps
+  // and hides the scratch keys a row does not descend from.)
   amx = same && std::is_same_v<scalar_t, c10::BFloat16> && dim == 64 && qs1 == dim && out1 == dim && call.amx &&
-        call.window <= 0 && call.softcap <= 0.0;
+        call.window <= 0 && call.softcap <= 0.0 && call.index.scratch == nullptr;
   if constexpr (same && std::is_same_v<scalar_t, c10::BFloat16>) {
     if (amx) {
       const int64_t tokens = call.tokens;
@@ -725,6 +729,15 @@ void run(const multispec::AttentionCall& call) {
           for (int64_t j = first; j < keys; ++j) s[j] = soft_cap(s[j], cap, inv_cap);
         }
       }
+      if (scratch != nullptr && scratch[b] > 0) {  // a draft model's step: of this step's earlier draft
+        // nodes (the last scratch[b] cached own keys) each row sees only its ancestors
+        const int64_t count_scratch = scratch[b], from = plen + old - count_scratch;
+        for (int64_t i = 0; i < rows; ++i) {
+          const bool* sees = scratch_mask + (b * qmax + i / group) * scratch_width;
+          for (int64_t j = 0; j < count_scratch; ++j)
+            if (!sees[j]) scores[i * keys + from + j] = neg_inf;
+        }
+      }
       if (window > 0) {  // each row's keys out of its window hidden (-inf), as the non-ancestors are
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t end = std::min(keys, lowest[i / group]);
@@ -822,6 +835,24 @@ AttentionIndex attention_index(const at::Tensor& sample_slot, const at::Tensor& 
           tree_mask.data_ptr<bool>(), batch, tree_mask.size(1)};
 }
 
+void attach_scratch(AttentionIndex& index, const std::optional<at::Tensor>& scratch,
+                    const std::optional<at::Tensor>& scratch_mask) {
+  TORCH_CHECK(scratch.has_value() == scratch_mask.has_value(), "scratch and scratch_mask come together");
+  if (!scratch.has_value()) return;
+  check_index(*scratch, "scratch", index.batch);
+  const at::Tensor& mask = *scratch_mask;
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 3 && mask.size(0) == index.batch &&
+                  mask.size(1) == index.qmax && mask.is_contiguous(),
+              "scratch_mask must be a contiguous bool [samples, qmax, width]");
+  const int64_t* counts = scratch->data_ptr<int64_t>();
+  for (int64_t b = 0; b < index.batch; ++b)
+    TORCH_CHECK(counts[b] >= 0 && counts[b] <= mask.size(2) && counts[b] <= index.written[b],
+                "a sample's scratch count is within its mask's width and its cached keys");
+  index.scratch = counts;
+  index.scratch_mask = mask.data_ptr<bool>();
+  index.scratch_width = mask.size(2);
+}
+
 void check_attention_caches(at::ScalarType dtype, int64_t heads, int64_t dim, int64_t dims, const at::Tensor& own_k,
                             const at::Tensor& own_v, const at::Tensor& prompt_k, const at::Tensor& prompt_v) {
   TORCH_CHECK(own_k.dim() == dims && own_v.dim() == dims && prompt_k.dim() == dims && prompt_v.dim() == dims,
@@ -862,10 +893,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
                             const at::Tensor& prompt_k, const at::Tensor& prompt_v, const at::Tensor& sample_slot,
                             const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& written,
                             const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
-                            const at::Tensor& tree_mask, double scale, int64_t window, double softcap) {
+                            const at::Tensor& tree_mask, double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& scratch_mask) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on the CPU");
   TORCH_CHECK(window >= 0, "window is a number of positions, or 0 for none");
   TORCH_CHECK(softcap >= 0.0, "softcap is a score's cap, or 0 for none");
+  TORCH_CHECK(window == 0 || !scratch.has_value(), "a sliding window and scratch positions do not go together");
   TORCH_CHECK(q.dim() == 3, "q is [tokens, heads, dim]");
   check_attention_caches(q.scalar_type(), q.size(1), q.size(2), 4, own_k, own_v, prompt_k, prompt_v);
   TORCH_CHECK(k_new.dim() == 3 && v_new.dim() == 3 && k_new.size(0) == q.size(0) && v_new.size(0) == q.size(0) &&
@@ -877,6 +910,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   }
   AttentionCall call;
   call.index = attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
+  attach_scratch(call.index, scratch, scratch_mask);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   auto rows = [](const at::Tensor& t) { return AttentionRows{t.data_ptr(), t.stride(0), t.stride(1)}; };
   auto slots = [](const at::Tensor& t) { return AttentionSlots{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; };
@@ -898,7 +932,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
 TORCH_LIBRARY(multispec, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) own_k, Tensor(b!) own_v, Tensor prompt_k, Tensor prompt_v, "
         "Tensor sample_slot, Tensor offsets, Tensor counts, Tensor written, Tensor prompt_slot, "
-        "Tensor prompt_len, Tensor tree_mask, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor prompt_len, Tensor tree_mask, float scale, int window=0, float softcap=0.0, Tensor? scratch=None, "
+        "Tensor? scratch_mask=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(multispec, CPU, m) { m.impl("decode_attention", &multispec::decode_attention); }

@@ -27,6 +27,12 @@ struct AttentionIndex {
   const int64_t *sample_slot, *offsets, *counts, *written, *prompt_slot, *prompt_len;
   const bool* tree_mask;
   int64_t batch, qmax;
+  // A draft model's step (``StepLayout.scratch``): sample b's last scratch[b] cached own keys are
+  // this step's earlier draft nodes, of which a row sees those its scratch_mask row names
+  // ([samples, qmax, scratch_width]); none where scratch is null.
+  const int64_t* scratch = nullptr;
+  const bool* scratch_mask = nullptr;
+  int64_t scratch_width = 0;
 };
 
 struct AttentionCall {
@@ -46,6 +52,11 @@ struct AttentionCall {
 AttentionIndex attention_index(const at::Tensor& sample_slot, const at::Tensor& offsets, const at::Tensor& counts,
                                const at::Tensor& written, const at::Tensor& prompt_slot, const at::Tensor& prompt_len,
                                const at::Tensor& tree_mask);
+
+// The scratch tensors (an int64 vector of one entry per sample and a bool [samples, qmax, width]
+// mask, both or neither) checked and added to ``index``.
+void attach_scratch(AttentionIndex& index, const std::optional<at::Tensor>& scratch,
+                    const std::optional<at::Tensor>& scratch_mask);
 
 // Checks that caches of this dtype and shape ([slots, kv_heads, positions, dim] each, or with a
 // leading layer dimension: ``dims`` 4 or 5) suit activations of ``dtype`` with ``heads`` heads of

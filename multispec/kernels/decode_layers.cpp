@@ -207,7 +207,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const std::opt
 // layers rotate q and k (``rotates``: SmolLM3 leaves every fourth alone) and which rotate by the
 // second table (``local_layers``, ``local_cos``/``local_sin``: Gemma 3's windowed layers), and each
 // layer's sliding window (``windows``: positions, 0 for none; Mistral's, Qwen's, Gemma's), and
-// the attention scores' soft cap (``softcap``, Gemma 2's; 0 for none).
+// the attention scores' soft cap (``softcap``, Gemma 2's; 0 for none). ``scratch`` and
+// ``scratch_mask`` (or None): a draft model's step over its earlier draft nodes (AttentionIndex).
 struct Extras {
   at::TensorList pre_ffn_norm, post_ffn_norm;
   int64_t norm_kind = LLAMA_NORM;
@@ -395,7 +396,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList post_ffn_norm, int64_t norm_kind, bool post_only, bool qk_whole,
                          int64_t activation, at::IntArrayRef rotates,
                          const std::optional<at::Tensor>& local_cos, const std::optional<at::Tensor>& local_sin,
-                         at::IntArrayRef local_layers, at::IntArrayRef windows, double softcap) {
+                         at::IntArrayRef local_layers, at::IntArrayRef windows, double softcap,
+                         const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& scratch_mask) {
   const size_t n = qkv.size();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [tokens, hidden]");
   TORCH_CHECK(norm_kind >= LLAMA_NORM && norm_kind <= FLOAT32_NORM, "norm_kind is 0 (Llama), 1 (Gemma) or 2 (float32)");
@@ -451,8 +453,11 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   TORCH_CHECK(sample_k.size(2) == kv_heads && sample_v.sizes() == sample_k.sizes() &&
                   prompt_k.size(0) == sample_k.size(0) && prompt_v.sizes() == prompt_k.sizes(),
               "the caches are [layers, slots, kv_heads, positions, head_dim], keys and values alike");
-  const multispec::AttentionIndex index =
+  multispec::AttentionIndex index =
       multispec::attention_index(sample_slot, offsets, counts, written, prompt_slot, prompt_len, tree_mask);
+  multispec::attach_scratch(index, scratch, scratch_mask);  // a draft model's step
+  for (int64_t window : windows)
+    TORCH_CHECK(window == 0 || !scratch.has_value(), "a sliding window and scratch positions do not go together");
   Extras extras;
   extras.pre_ffn_norm = pre_ffn_norm, extras.post_ffn_norm = post_ffn_norm;
   extras.norm_kind = norm_kind, extras.post_only = post_only, extras.qk_whole = qk_whole;
@@ -718,7 +723,7 @@ TORCH_LIBRARY_FRAGMENT(multispec, m) {
         "float scale, Tensor[] pre_ffn_norm, Tensor[] post_ffn_norm, int norm_kind, bool post_only, bool qk_whole, "
         "int activation, "
         "int[] rotates, Tensor? local_cos, Tensor? local_sin, int[] local_layers, int[] windows, "
-        "float softcap) -> Tensor");
+        "float softcap, Tensor? scratch, Tensor? scratch_mask) -> Tensor");
   m.def("head_layer(Tensor features, Tensor embedding, Tensor tokens, Tensor fc, Tensor input_norm, "
         "Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, Tensor down, bool packed, Tensor[] stream, "
         "int stream_rows, int heads, int kv_heads, float eps, Tensor cos, Tensor sin, int group, Tensor past_k, "

@@ -510,7 +510,7 @@ class LlamaForCausalLM(nn.Module):
             op, weights, args = stack
             *extras, local_layers, windows, softcap = self._stack_extras
             return op(x, cos, sin, *weights, *args, *extras, *(local if local is not None else (None, None)),
-                      local_layers, windows, softcap)
+                      local_layers, windows, softcap, *getattr(attention, "scratch_args", (None, None)))
         rotations = [(cos, sin)] * len(self.model.layers)
         if local is not None:
             rotations = [local if config.layer_window(i) is not None else rotation

@@ -67,12 +67,12 @@ def _config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8, positions: int
 @pytest.mark.parametrize("window", [None, 7], ids=["whole", "window"])
 @pytest.mark.parametrize("concat", [False, True], ids=["halves", "concatenated"])
 def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(concat, window, monkeypatch):
-    # (a step with scratch positions always takes the portable path)
     """``StepLayout.slots`` and ``scratch`` (a draft model's tree, one depth a forward): samples
     living in slots 2 and 0, each row attending to the prompt, its sample's text, the earlier
-    drafted nodes its mask names and itself, against attention written out key by key. "window":
-    a sliding window of 7 positions, a row at position p seeing the prompt's and text's keys
-    after p - 7 (a node's position: the prompt, the text and its drafted ancestors before it)."""
+    drafted nodes its mask names and itself, against attention written out key by key; through
+    the compiled kernel where it is built, except under a window. "window": a sliding window of 7
+    positions, a row at position p seeing the prompt's and text's keys after p - 7 (a node's
+    position: the prompt, the text and its drafted ancestors before it), on the portable path."""
     from multispec.engine.attention import DecodeAttention, StepLayout
     from multispec.engine.cache import CacheShape, KVCache
     config = _config(window=window)
@@ -92,7 +92,9 @@ def test_samples_in_any_slots_see_their_text_and_only_the_drafted_ancestors(conc
     q = torch.randn(3, 4, 8, generator=gen)
     k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
     monkeypatch.setattr("multispec.engine.attention.concat_keys", lambda device: concat)
-    out = DecodeAttention(cache, layout).attend(0, q, k, v)
+    attention = DecodeAttention(cache, layout)
+    assert (attention.op is not None) == (COMPILED and window is None)
+    out = attention.attend(0, q, k, v)
     row = 0
     for b, (slot, w, s, c) in enumerate(zip(slots, written, scratch, counts)):
         for i in range(c):
