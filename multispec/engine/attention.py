@@ -137,10 +137,10 @@ class DecodeAttention:
     all: it writes the new keys and values, and each (sample, kv head) attends to its prompt and
     its own keys in one float32 softmax, ragged (no padding rows, no parts), within the layer's
     sliding window where it has one (the keys before the window neither scored nor read), its
-    scores capped where the model caps them (Gemma 2). 1.25-1.4x faster
-    plain steps than the portable path below at 4 to 128 samples (docs/results.md). The portable
-    path, for other devices and for a draft model's steps over its scratch positions under a
-    sliding window:
+    scores capped where the model caps them (Gemma 2), and in a draft model's step only the
+    earlier draft nodes each row descends from. 1.25-1.4x faster plain steps than the portable
+    path below at 4 to 128 samples (docs/results.md). The portable path, for other devices and for
+    a draft model's steps over its scratch positions under a sliding window:
 
     Attention batches a sample's query rows as a block, so samples whose drafts differ in size
     are padded to a common number of rows. Where that padding would outgrow the step (a few
