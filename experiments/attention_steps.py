@@ -39,11 +39,12 @@ def before_attention(revision: str):
     """``DecodeAttention`` as ``multispec/engine/attention.py`` defined it at ``revision``."""
     source = subprocess.run(["git", "show", f"{revision}:multispec/engine/attention.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "attention_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("attention_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as directory:  # (read once: the file is not needed after)
+        path = Path(directory) / "attention_before.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("attention_before", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module.DecodeAttention
 
 
